@@ -1,0 +1,1 @@
+"""SpecRollout's harness: sampling, the verifier, engines, traces, replay, simulation, results."""

@@ -1,0 +1,17 @@
+"""Inference engines behind one protocol; heavy engines are imported only when asked for."""
+from __future__ import annotations
+
+from .base import Engine, Request
+
+ENGINE_EXTRAS = {"torch_ref": None, "vllm": "vllm", "sglang": "sglang"}
+
+
+def make_engine(name: str, **kwargs) -> Engine:
+    """Build an engine by name; an engine whose package is missing names the extra to install."""
+    if name == "torch_ref":
+        from .torch_ref import TorchRefEngine
+        return TorchRefEngine(**kwargs)
+    raise ValueError(f"Unknown engine {name!r}; choose one of {sorted(ENGINE_EXTRAS)}")
+
+
+__all__ = ["Engine", "Request", "make_engine"]

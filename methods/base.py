@@ -1,0 +1,140 @@
+"""The contract between drafters and engines: rollout identity, drafts, finished rollouts.
+
+Pure Python on purpose: a drafter never sees a tensor, so every method runs unchanged under the
+torch reference engine, vLLM, SGLang and the model-free simulator (``python -m bench.simulate``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+
+@dataclass(frozen=True)
+class RolloutKey:
+    """Identity of a rollout slot across RL steps: the same (prompt, sample) at every visit."""
+
+    prompt_id: str
+    sample_idx: int  # 0..n-1 within the GRPO group
+
+
+@dataclass
+class Draft:
+    """Draft tokens proposed for the next output positions of one rollout.
+
+    ``token_ids[i]`` is a guess for the token after its parent: ``parents[i] == -1`` means it
+    continues the rollout's current output, ``parents[i] == j`` means it follows draft node j
+    (j < i). ``parents=None`` is a chain (node i follows node i-1). ``logprobs`` are the draft
+    policy's logprobs of the tokens; only the lenient ``ratio`` verifier rule reads them.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    parents: list[int] | None = None
+    logprobs: list[float] | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None or all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def parent_list(self) -> list[int]:
+        """Parents as an explicit list (chains included)."""
+        if self.parents is None:
+            return list(range(-1, len(self.token_ids) - 1))
+        return list(self.parents)
+
+    def truncated(self, budget: int) -> "Draft":
+        """The draft restricted to nodes whose depth (1 = child of the output) is <= budget."""
+        if budget <= 0:
+            return Draft()
+        if self.parents is None:
+            if len(self.token_ids) <= budget:
+                return self
+            return Draft(self.token_ids[:budget], None,
+                         None if self.logprobs is None else self.logprobs[:budget])
+        depth: list[int] = []
+        keep: list[int] = []
+        for i, p in enumerate(self.parents):
+            depth.append(1 if p < 0 else depth[p] + 1)
+            if depth[i] <= budget:
+                keep.append(i)
+        if len(keep) == len(self.token_ids):
+            return self
+        new_index = {old: new for new, old in enumerate(keep)}
+        return Draft([self.token_ids[i] for i in keep],
+                     [-1 if self.parents[i] < 0 else new_index[self.parents[i]] for i in keep],
+                     None if self.logprobs is None else [self.logprobs[i] for i in keep])
+
+    def validate(self) -> None:
+        """Raise ValueError if parents do not describe a forest in topological order."""
+        n = len(self.token_ids)
+        if self.parents is not None:
+            if len(self.parents) != n:
+                raise ValueError(f"Draft has {n} tokens but {len(self.parents)} parents")
+            for i, p in enumerate(self.parents):
+                if not -1 <= p < i:
+                    raise ValueError(f"Draft parent {p} of node {i} must be -1 or an earlier node")
+        if self.logprobs is not None and len(self.logprobs) != n:
+            raise ValueError(f"Draft has {n} tokens but {len(self.logprobs)} logprobs")
+
+
+@dataclass
+class Rollout:
+    """One finished rollout, as every engine returns it (plain lists: a trainer can use it as is).
+
+    ``logprobs[i]`` is the current policy's logprob of ``token_ids[i]`` (log-softmax of the
+    logits divided by the sampling temperature; raw logits under greedy decoding).
+    """
+
+    key: RolloutKey
+    step: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS/stop token) or "length" (max_new_tokens)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_forward_passes: int = 0
+    first_token_time: float = 0.0  # seconds since the rollout call started
+    last_token_time: float = 0.0
+    run_ahead: bool = False  # generated only to feed drafter caches (never used for training)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What every method implements; the engine calls these in this order per rollout:
+    ``start`` once, then ``propose``/``observe`` each iteration, then ``finish``."""
+
+    def begin_step(self, step: int) -> None: ...
+
+    def start(self, key: RolloutKey, prompt: Sequence[int]) -> None: ...
+
+    def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft: ...
+
+    def observe(self, key: RolloutKey, new_tokens: Sequence[int]) -> None: ...
+
+    def finish(self, key: RolloutKey, rollout: Rollout) -> None: ...
+
+
+class NullDrafter:
+    """A drafter that does nothing; subclasses override what they need."""
+
+    name = "null"
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def start(self, key: RolloutKey, prompt: Sequence[int]) -> None:
+        pass
+
+    def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
+        return Draft()
+
+    def observe(self, key: RolloutKey, new_tokens: Sequence[int]) -> None:
+        pass
+
+    def finish(self, key: RolloutKey, rollout: Rollout) -> None:
+        pass
