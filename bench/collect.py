@@ -1,0 +1,196 @@
+"""Merge run folders (local, swept, copied from other machines) and compare methods to the baseline.
+
+    python -m bench.collect results/runs [more run folders or roots ...] [--out results/tables]
+
+Speedup and reward delta are computed here only, against the baseline run of the SAME trace,
+engine and sampling (``sampling.temperature/top_p/top_k/max_new_tokens/seed`` of config.yaml),
+over the steps both runs have. Without such a baseline they are NaN and a note says why.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from .results import STEPS_DIR, RunFolderError, _flatten, load_run
+from .stats import summarize
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
+GROUP = ("trace", "engine", "sampling")  # what must match for a baseline to count
+DISPLAY = ("method", "tokens_per_step", "mean_acceptance_length", "acceptance_rate",
+           "rollout_wall_s", "tokens_per_s", "speedup", "speedup_std", "reward_delta", "num_steps")
+
+
+@dataclass
+class Collection:
+    runs: pd.DataFrame       # one row per run folder
+    rollouts: pd.DataFrame   # rows of the runs used, ``method`` relabelled with knob variants
+    steps: pd.DataFrame
+    table: pd.DataFrame      # one row per (trace, engine, sampling, method)
+    per_step: pd.DataFrame   # the same per step, with per-step speedup
+    notes: list[str] = field(default_factory=list)
+
+
+def sampling_label(config: dict) -> str:
+    s = config.get("sampling") or {}
+    fmt = lambda v: "?" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+    return " ".join(f"{k}={fmt(s.get(k))}" for k in SAMPLING_KEYS)
+
+
+def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
+    """Run folders at or under each path (a run folder holds steps.parquet/ or summary.json)."""
+    found: list[Path] = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise RunFolderError(f"{path} does not exist; pass a run folder or a folder of runs")
+        before = len(found)
+        for dirpath, dirnames, filenames in os.walk(path):
+            if STEPS_DIR in dirnames or "summary.json" in filenames:
+                found.append(Path(dirpath))
+                dirnames.clear()
+            else:
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        if len(found) == before:
+            raise RunFolderError(
+                f"no run folders under {path}: a run folder holds config.yaml, summary.json, "
+                f"rollouts.parquet/ and steps.parquet/. Pass a run folder or a folder of runs.")
+    return sorted(dict.fromkeys(p.resolve() for p in found))
+
+
+def load_runs(paths: Iterable[str | Path], progress: bool = True):
+    """(runs, rollouts, steps, configs) of every run found; run ids made unique across folders."""
+    dirs = find_run_dirs(paths)
+    runs, rollouts, steps, configs = [], [], [], {}
+    for run_dir in tqdm(dirs, desc="loading runs", disable=not progress or len(dirs) < 2):
+        config, summary, r, s = load_run(run_dir)
+        run_id = str(summary.get("run_id") or run_dir.name)
+        if run_id in configs:  # the same id from another machine or copy
+            run_id = f"{run_id}@{run_dir.parent.name}/{run_dir.name}"
+        configs[run_id] = config
+        info = {"run_id": run_id, "run_dir": str(run_dir), "status": summary.get("status"),
+                "start_time": summary.get("start_time"), "sampling": sampling_label(config),
+                "trace": (config.get("trace") or {}).get("name", summary.get("trace")),
+                "engine": summary.get("engine") or (config.get("engine") or {}).get("name")}
+        runs.append(info)
+        for frame in (r, s):
+            frame["run_id"] = run_id
+            frame["sampling"] = info["sampling"]
+            for k in ("trace", "engine"):
+                frame[k] = frame[k].fillna(info[k]) if k in frame else info[k]
+        rollouts.append(r)
+        steps.append(s)
+    return (pd.DataFrame(runs), pd.concat(rollouts, ignore_index=True),
+            pd.concat(steps, ignore_index=True), configs)
+
+
+def _select(runs, steps, configs) -> tuple[dict[tuple[str, str], str], list[str]]:
+    """{(run_id, method): label} of the rows to use, and notes on variants and duplicates."""
+    notes, chosen = [], {}
+    info = runs.set_index("run_id")
+    counts = steps.groupby(["run_id", *GROUP, "method"], dropna=False).size().reset_index(name="n")
+    for key, grp in counts.groupby([*GROUP, "method"], dropna=False, sort=True):
+        method, where = key[-1], "/".join(map(str, key[:-1]))
+        knobs = {rid: _flatten(configs[rid].get("method") or {}) for rid in grp["run_id"]}
+        varying = sorted(k for k in set().union(*knobs.values())
+                         if len({repr(v.get(k)) for v in knobs.values()}) > 1)
+        labels = {rid: method + (" [" + ", ".join(f"{k}={knobs[rid].get(k)}" for k in varying) + "]"
+                                 if varying else "") for rid in grp["run_id"]}
+        for label in dict.fromkeys(labels.values()):
+            cand = grp[grp["run_id"].map(labels) == label].assign(
+                complete=lambda d: d["run_id"].map(info["status"]).eq("complete"),
+                start=lambda d: d["run_id"].map(info["start_time"]).fillna(""))
+            best = cand.sort_values(["complete", "n", "start"]).iloc[-1]
+            chosen[(best["run_id"], method)] = label
+            if len(cand) > 1:
+                others = ", ".join(r for r in cand["run_id"] if r != best["run_id"])
+                notes.append(f"{where}/{label} appears in {len(cand)} runs; using {best['run_id']} "
+                             f"({info.at[best['run_id'], 'status']}, {best['n']} steps), "
+                             f"not {others}")
+    return chosen, notes
+
+
+def _vs_baseline(per_step: pd.DataFrame, baseline: str, notes: list[str]) -> pd.DataFrame:
+    keys = [*GROUP, "step"]
+    base = per_step[per_step["method"] == baseline][keys + ["rollout_wall_s", "reward_mean"]]
+    out = per_step.merge(base, on=keys, how="left", suffixes=("", "_baseline"))
+    out["speedup"] = out["rollout_wall_s_baseline"] / out["rollout_wall_s"].where(out["rollout_wall_s"] > 0)
+    out["reward_delta"] = out["reward_mean"] - out["reward_mean_baseline"]
+    for key, grp in out.groupby(list(GROUP), dropna=False):
+        if grp["rollout_wall_s_baseline"].isna().all():
+            notes.append(f"no '{baseline}' run with trace/engine/sampling {'/'.join(map(str, key))}:"
+                         f" speedup and reward delta are NaN there")
+    return out
+
+
+def collect(paths: Iterable[str | Path], baseline: str = "baseline", progress: bool = True) -> Collection:
+    """Load, deduplicate, and compare every run under ``paths`` (see the module docstring)."""
+    runs, rollouts, steps, configs = load_runs(paths, progress)
+    chosen, notes = _select(runs, steps, configs)
+    keep = lambda d: d[[(r, m) in chosen for r, m in zip(d["run_id"], d["method"])]].assign(
+        method=lambda x: [chosen[(r, m)] for r, m in zip(x["run_id"], x["method"])])
+    rollouts, steps = keep(rollouts), keep(steps)
+    by = [*GROUP, "method"]
+    per_step = _vs_baseline(summarize(rollouts, steps, by, per_step=True), baseline, notes)
+    table = summarize(rollouts, steps, by)
+    common = per_step.dropna(subset=["rollout_wall_s_baseline", "rollout_wall_s"])
+    agg = common.groupby(by, dropna=False).agg(
+        base_wall=("rollout_wall_s_baseline", "mean"), wall=("rollout_wall_s", "mean"),
+        speedup_std=("speedup", lambda s: s.std(ddof=0)),
+        reward_delta=("reward_delta", "mean")).reset_index()
+    agg["speedup"] = agg["base_wall"] / agg["wall"].where(agg["wall"] > 0)
+    table = table.merge(agg[by + ["speedup", "speedup_std", "reward_delta"]], on=by, how="left")
+    used = steps.groupby(by, dropna=False)["run_id"].first().rename("run_id").reset_index()
+    table = table.merge(used, on=by, how="left")
+    return Collection(runs, rollouts, steps, table, per_step, notes)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, (float, np.floating)):
+        return "" if pd.isna(v) else f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+    return str(v)
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    fmt = _fmt
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines) + "\n"
+
+
+def report(col: Collection) -> str:
+    """The results table as Markdown, one section per engine (then trace and sampling)."""
+    parts = []
+    for (engine, trace, sampling), grp in col.table.groupby(["engine", "trace", "sampling"], sort=True):
+        parts.append(f"## engine {engine} · trace {trace} · {sampling}\n\n"
+                     + to_markdown(grp[list(DISPLAY)]))
+    if col.notes:
+        parts.append("Notes:\n\n" + "".join(f"- {n}\n" for n in col.notes))
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> Collection:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("paths", nargs="+", help="run folders or folders containing runs")
+    ap.add_argument("--out", type=Path, help="write results.csv and results.md here")
+    ap.add_argument("--baseline", default="baseline", help="method every speedup is relative to")
+    args = ap.parse_args(argv)
+    col = collect(args.paths, args.baseline)
+    text = report(col)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        col.table.to_csv(args.out / "results.csv", index=False)
+        col.per_step.to_csv(args.out / "results_per_step.csv", index=False)
+        (args.out / "results.md").write_text("# Results\n\n" + text)
+        print(f"wrote {args.out / 'results.csv'} and {args.out / 'results.md'}")
+    return col
+
+
+if __name__ == "__main__":
+    main()
