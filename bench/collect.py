@@ -89,14 +89,17 @@ def load_runs(paths: Iterable[str | Path], progress: bool = True):
             pd.concat(steps, ignore_index=True), configs)
 
 
-def _select(runs, steps, configs) -> tuple[dict[tuple[str, str], str], list[str]]:
+def _select(runs, steps, configs, baseline: str) -> tuple[dict[tuple[str, str], str], list[str]]:
     """{(run_id, method): label} of the rows to use, and notes on variants and duplicates."""
     notes, chosen = [], {}
     info = runs.set_index("run_id")
     counts = steps.groupby(["run_id", *GROUP, "method"], dropna=False).size().reset_index(name="n")
     for key, grp in counts.groupby([*GROUP, "method"], dropna=False, sort=True):
         method, where = key[-1], "/".join(map(str, key[:-1]))
-        knobs = {rid: _flatten(configs[rid].get("method") or {}) for rid in grp["run_id"]}
+        # knob sweeps (config.yaml ``method:`` differs) are variants; the baseline has no knobs
+        knobs = {rid: {} if method == baseline else
+                 {k: v for k, v in _flatten(configs[rid].get("method") or {}).items() if k}
+                 for rid in grp["run_id"]}
         varying = sorted(k for k in set().union(*knobs.values())
                          if len({repr(v.get(k)) for v in knobs.values()}) > 1)
         labels = {rid: method + (" [" + ", ".join(f"{k}={knobs[rid].get(k)}" for k in varying) + "]"
@@ -131,7 +134,7 @@ def _vs_baseline(per_step: pd.DataFrame, baseline: str, notes: list[str]) -> pd.
 def collect(paths: Iterable[str | Path], baseline: str = "baseline", progress: bool = True) -> Collection:
     """Load, deduplicate, and compare every run under ``paths`` (see the module docstring)."""
     runs, rollouts, steps, configs = load_runs(paths, progress)
-    chosen, notes = _select(runs, steps, configs)
+    chosen, notes = _select(runs, steps, configs, baseline)
     keep = lambda d: d[[(r, m) in chosen for r, m in zip(d["run_id"], d["method"])]].assign(
         method=lambda x: [chosen[(r, m)] for r, m in zip(x["run_id"], x["method"])])
     rollouts, steps = keep(rollouts), keep(steps)
