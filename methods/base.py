@@ -45,26 +45,16 @@ class Draft:
         return list(self.parents)
 
     def truncated(self, budget: int) -> "Draft":
-        """The draft restricted to nodes whose depth (1 = child of the output) is <= budget."""
+        """The first ``budget`` nodes (parents precede children, so a prefix is still a forest).
+
+        Budget counts draft tokens (tree nodes), as vLLM's num_speculative_tokens does.
+        """
+        if len(self.token_ids) <= budget:
+            return self
         if budget <= 0:
             return Draft()
-        if self.parents is None:
-            if len(self.token_ids) <= budget:
-                return self
-            return Draft(self.token_ids[:budget], None,
-                         None if self.logprobs is None else self.logprobs[:budget])
-        depth: list[int] = []
-        keep: list[int] = []
-        for i, p in enumerate(self.parents):
-            depth.append(1 if p < 0 else depth[p] + 1)
-            if depth[i] <= budget:
-                keep.append(i)
-        if len(keep) == len(self.token_ids):
-            return self
-        new_index = {old: new for new, old in enumerate(keep)}
-        return Draft([self.token_ids[i] for i in keep],
-                     [-1 if self.parents[i] < 0 else new_index[self.parents[i]] for i in keep],
-                     None if self.logprobs is None else [self.logprobs[i] for i in keep])
+        return Draft(self.token_ids[:budget], None if self.parents is None else self.parents[:budget],
+                     None if self.logprobs is None else self.logprobs[:budget])
 
     def validate(self) -> None:
         """Raise ValueError if parents do not describe a forest in topological order."""

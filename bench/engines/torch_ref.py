@@ -1,0 +1,322 @@
+"""The torch reference engine: any Hugging Face causal LM, exact by construction, CPU or GPU.
+
+Every iteration it asks each live rollout's drafter for a draft (empty, chain or tree, ragged
+across the batch), runs ONE forward pass over all rows (tree attention by an additive 4D mask,
+explicit positions), verifies with ``bench.verify``, keeps the KV of the accepted path only, and
+feeds the emitted tokens back to the drafter. Example::
+
+    eng = TorchRefEngine(); eng.load("ckpt_dir")
+    rollouts = eng.rollout(requests, SamplingConfig(), Baseline(), VerifyConfig())
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from methods.base import Draft, Drafter, Rollout
+
+from ..sampling import SamplingConfig, rollout_seed
+from ..verify import VerifyConfig, verify_batch
+from .base import Request, RunAheadSource
+from .checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
+from .kv_slots import SlotKVCache
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+@dataclass
+class _Row:
+    """A live rollout inside the engine loop."""
+
+    request: Request
+    key64: int
+    pending: list[int]  # tokens whose KV is not yet in the cache (the prompt, then the last token)
+    cached: int = 0  # valid KV slots [0, cached)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    per_pos: list[int] = field(default_factory=list)
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    passes: int = 0
+    first_t: float = 0.0
+    last_t: float = 0.0
+    finish_reason: str = ""
+
+
+class TorchRefEngine:
+    """Reference engine over transformers models with coupled sampling and the one verifier."""
+
+    name = "torch_ref"
+
+    def __init__(self, device: str = "cpu", dtype: str = "float32", attn_implementation: str = "sdpa",
+                 max_batch_size: int | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"engine.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.attn_implementation = attn_implementation
+        self.max_batch_size = max_batch_size
+        self.model = None
+        self.info: CheckpointInfo | None = None
+        self._arch_key: str | None = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def load(self, checkpoint: str | Path) -> None:
+        """Load a checkpoint; a checkpoint of the same architecture only swaps the weights."""
+        info = inspect_checkpoint(Path(checkpoint))
+        arch_key = json.dumps({k: v for k, v in info.config.to_dict().items()
+                               if k not in ("_name_or_path", "transformers_version")}, sort_keys=True, default=str)
+        if self.model is not None and arch_key == self._arch_key:
+            from safetensors.torch import load_file
+            state = {}
+            for f in info.weight_files:
+                state.update(load_file(str(f), device=str(self.device)))
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if unexpected or [m for m in missing if not self._is_tied(m)]:
+                raise CheckpointError(f"{info.path}: weights do not match the loaded architecture "
+                                      f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        else:
+            from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
+            hf_logging.disable_progress_bar()
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(info.path), dtype=self.dtype, attn_implementation=self.attn_implementation)
+            except Exception as exc:  # transformers' own message, with the path in front
+                raise CheckpointError(f"{info.path}: transformers could not load this checkpoint: {exc}") from exc
+            self.model = model.to(self.device).eval()
+            fwd = inspect.signature(self.model.forward).parameters
+            self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+            self._keep_kw = "logits_to_keep" if "logits_to_keep" in fwd else "num_logits_to_keep"
+        self.info, self._arch_key = info, arch_key
+
+    def _is_tied(self, name: str) -> bool:
+        return name.startswith("lm_head") and bool(getattr(self.model.config, "tie_word_embeddings", False))
+
+    def close(self) -> None:
+        self.model = None
+
+    # ------------------------------------------------------------------ rollouts
+    def rollout(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
+                verify: VerifyConfig, run_ahead: RunAheadSource | None = None) -> list[Rollout]:
+        if self.model is None or self.info is None:
+            raise RuntimeError("TorchRefEngine.rollout called before load(checkpoint)")
+        if not requests:
+            return []
+        stops = set(self.info.eos_token_ids) | set(sampling.stop_token_ids)
+        for r in requests:
+            self._check_prompt(r, sampling)
+        target = self.max_batch_size or len(requests)
+        waiting = list(requests)
+        rows: list[_Row] = []
+        done: dict[int, Rollout] = {}
+        order = {id(r): i for i, r in enumerate(requests)}
+        cache = SlotKVCache(capacity=1)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            while rows or waiting:
+                free = target - len(rows)
+                admitted = [waiting.pop(0) for _ in range(min(free, len(waiting)))]
+                if run_ahead is not None and not waiting and free - len(admitted) > 0 and rows:
+                    admitted += [r for r in run_ahead(free - len(admitted)) if self._fits(r, sampling)]
+                if admitted:
+                    for r in admitted:
+                        drafter.start(r.key, r.prompt_token_ids)
+                    new = [_Row(r, rollout_seed(sampling.seed, r.step, r.key.prompt_id, r.key.sample_idx),
+                                list(r.prompt_token_ids)) for r in admitted]
+                    need = max(len(r.prompt_token_ids) for r in admitted) + sampling.max_new_tokens + 1
+                    cache.add_rows(len(new), max(need, cache.capacity))
+                    rows += new
+                self._iterate(rows, cache, sampling, drafter, verify, stops, t0)
+                keep = []
+                for i, row in enumerate(rows):
+                    if not row.finish_reason:
+                        keep.append(i)
+                        continue
+                    rollout = self._to_rollout(row)
+                    drafter.finish(row.request.key, rollout)  # finished run-ahead rollouts feed caches too
+                    if not row.request.run_ahead:
+                        done[order[id(row.request)]] = rollout
+                if len(keep) < len(rows):
+                    rows = [rows[i] for i in keep]
+                    cache.keep_rows(keep)
+                if rows and not waiting and all(r.request.run_ahead for r in rows):
+                    break  # the main batch is done: run-ahead rollouts are aborted
+        return [done[i] for i in range(len(requests))]
+
+    def _fits(self, r: Request, sampling: SamplingConfig) -> bool:
+        return len(r.prompt_token_ids) + sampling.max_new_tokens <= self.info.max_context
+
+    def _check_prompt(self, r: Request, sampling: SamplingConfig) -> None:
+        if not r.prompt_token_ids:
+            raise ValueError(f"prompt {r.key.prompt_id!r} is empty: a rollout needs at least one prompt token")
+        if not self._fits(r, sampling):
+            raise ValueError(
+                f"prompt {r.key.prompt_id!r} has {len(r.prompt_token_ids)} tokens; with max_new_tokens="
+                f"{sampling.max_new_tokens} that exceeds the model context of {self.info.max_context} "
+                f"({self.info.path}/config.json max_position_embeddings): shorten the prompt or lower "
+                f"sampling.max_new_tokens")
+
+    def _iterate(self, rows: list[_Row], cache: SlotKVCache, sampling: SamplingConfig, drafter: Drafter,
+                 verify: VerifyConfig, stops: set[int], t0: float) -> None:
+        """One forward pass: draft, build the ragged block, run the model, verify, commit."""
+        drafts = []
+        for row in rows:
+            budget = sampling.max_new_tokens - len(row.output) - 1
+            d = drafter.propose(row.request.key, row.output, budget) if budget > 0 else Draft()
+            d = d.truncated(budget)
+            if d.parents is not None:
+                d.validate()
+            drafts.append(d)
+        block = _Block.build(rows, drafts, cache, self.device, self.dtype)
+        cache.set_block(block.write_index, block.view_len)
+        out = self.model(**{"input_ids": block.input_ids, "position_ids": block.position_ids,
+                            "attention_mask": block.mask, self._cache_kw: cache, "use_cache": True,
+                            self._keep_kw: block.keep})
+        logits = out.logits[torch.arange(len(rows), device=self.device)[:, None], block.node_index]  # [B, K, V]
+        keys = torch.tensor([r.key64 for r in rows], dtype=torch.int64)
+        verdicts = verify_batch(logits, drafts, keys, [len(r.output) for r in rows], sampling, verify)
+        now = time.perf_counter() - t0
+        moves = []
+        for b, (row, d, v) in enumerate(zip(rows, drafts, verdicts)):
+            root_slot = row.cached + len(row.pending) - 1
+            if any(p != i for i, p in enumerate(v.path)):
+                moves.append((b, [root_slot + p for p in v.path], [root_slot + i for i in range(len(v.path))]))
+            row.cached = root_slot + len(v.path)
+            emitted, lps = v.emitted, v.logprobs
+            room = sampling.max_new_tokens - len(row.output)
+            cut = next((i + 1 for i, t in enumerate(emitted) if t in stops), len(emitted))
+            if cut < len(emitted) or len(emitted) > room:
+                n = min(cut, room)
+                emitted, lps = emitted[:n], lps[:n]
+            accepted = min(v.num_accepted, len(emitted))
+            row.passes += 1
+            if len(d):
+                row.drafts += 1
+                row.draft_tokens += len(d)
+                row.accepted += accepted
+                if len(row.per_pos) < accepted:
+                    row.per_pos += [0] * (accepted - len(row.per_pos))
+                for i in range(accepted):
+                    row.per_pos[i] += 1
+            if not row.output:
+                row.first_t = now
+            row.output += emitted
+            row.logprobs += lps
+            row.last_t = now
+            row.pending = [emitted[-1]]
+            drafter.observe(row.request.key, emitted)
+            if emitted[-1] in stops:
+                row.finish_reason = "stop"
+            elif len(row.output) >= sampling.max_new_tokens:
+                row.finish_reason = "length"
+        if moves:
+            width = max(len(s) for _, s, _ in moves)
+            src = torch.tensor([[block.trash] * width] * len(rows), dtype=torch.int64)
+            dst = src.clone()
+            for b, s, t in moves:
+                src[b, :len(s)] = torch.tensor(s)
+                dst[b, :len(t)] = torch.tensor(t)
+            cache.move_slots(src.to(self.device), dst.to(self.device))
+
+    @staticmethod
+    def _to_rollout(row: _Row) -> Rollout:
+        r = row.request
+        return Rollout(key=r.key, step=r.step, prompt_token_ids=list(r.prompt_token_ids), token_ids=row.output,
+                       logprobs=row.logprobs, finish_reason=row.finish_reason, num_drafts=row.drafts,
+                       num_draft_tokens=row.draft_tokens, num_accepted_tokens=row.accepted,
+                       num_accepted_tokens_per_pos=row.per_pos, num_forward_passes=row.passes,
+                       first_token_time=row.first_t, last_token_time=row.last_t, run_ahead=r.run_ahead)
+
+
+@dataclass
+class _Block:
+    """The ragged input of one forward pass, left-padded so every row's nodes end the block.
+
+    Row b feeds its pending tokens then its draft nodes; its local node j (0 = last pending
+    token) sits at block index q - (1 + k_b) + j.
+    """
+
+    input_ids: torch.Tensor  # [B, q]
+    position_ids: torch.Tensor  # [B, q]
+    write_index: torch.Tensor  # [B, q] cache slot of each block position (padding -> trash slot)
+    mask: torch.Tensor  # [B, 1, q, view_len] additive
+    node_index: torch.Tensor  # [B, K] block index of local node j (K = keep)
+    keep: int  # logits kept: the last K block positions
+    view_len: int
+    trash: int
+
+    @classmethod
+    def build(cls, rows: list[_Row], drafts: list[Draft], cache: SlotKVCache, device, dtype) -> "_Block":
+        B = len(rows)
+        sizes = [len(r.pending) + len(d) for r, d in zip(rows, drafts)]
+        q = max(sizes)
+        K = 1 + max(len(d) for d in drafts)
+        trash = cache.trash_slot
+        ids = torch.zeros(B, q, dtype=torch.int64)
+        pos = torch.zeros(B, q, dtype=torch.int64)
+        slot = torch.full((B, q), trash, dtype=torch.int64)
+        parent = torch.full((B, q), -1, dtype=torch.int64)  # block-local parent, -1 = none
+        node_index = torch.zeros(B, K, dtype=torch.int64)
+        chains = all(d.parents is None for d in drafts)
+        for b, (row, d) in enumerate(zip(rows, drafts)):
+            n_p, k, s = len(row.pending), len(d), sizes[b]
+            off = q - s
+            ids[b, off:] = torch.tensor(row.pending + d.token_ids, dtype=torch.int64)
+            slot[b, off:] = torch.arange(row.cached, row.cached + s)
+            node_index[b, :k + 1] = torch.arange(K - k - 1, K)  # into the kept last K positions
+            if chains:
+                pos[b, off:] = torch.arange(row.cached, row.cached + s)
+            else:
+                par = list(range(off - 1, off + n_p - 1)) + [off + n_p - 1 + p + 1 for p in d.parent_list()]
+                par[0] = -1
+                parent[b, off:] = torch.tensor(par, dtype=torch.int64)
+                depth = list(range(n_p)) + [n_p - 1 + x for x in _depths(d)]
+                pos[b, off:] = row.cached + torch.tensor(depth, dtype=torch.int64)
+        view_len = int(max(r.cached + s for r, s in zip(rows, sizes)))
+        cached = torch.tensor([r.cached for r in rows], dtype=torch.int64)
+        real = slot != trash  # [B, q]
+        if chains:
+            attend_block = torch.tril(torch.ones(q, q, dtype=torch.bool)).expand(B, q, q) & real[:, None, :]
+        else:
+            attend_block = _ancestors(parent)
+        cols = torch.arange(view_len + 1)
+        allowed = (cols[None, None, :] < cached[:, None, None]) & real[:, :, None]  # [B, q, view+1]
+        # the block's own slots lie past every cached one; padding columns land in the spare last column
+        slot_in_view = torch.where(real, slot, torch.full_like(slot, view_len))
+        allowed.scatter_(2, slot_in_view[:, None, :].expand(B, q, q), attend_block & real[:, None, :])
+        allowed = allowed[..., :view_len]
+        allowed[:, :, 0] |= ~real  # padding queries look at slot 0 only (never an empty softmax)
+        mask = torch.zeros(B, 1, q, view_len, dtype=dtype)
+        mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+        return cls(ids.to(device), pos.to(device), slot.to(device), mask.to(device), node_index.to(device),
+                   K, view_len, trash)
+
+
+def _depths(d: Draft) -> list[int]:
+    out: list[int] = []
+    for p in d.parent_list():
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def _ancestors(parent: torch.Tensor) -> torch.Tensor:
+    """[B, q] block-local parents -> [B, q, q] bool: query i may attend block position j."""
+    B, q = parent.shape
+    eye = torch.eye(q, dtype=torch.bool).expand(B, q, q).clone()
+    out = eye.clone()
+    cur = parent.clone()
+    rows = torch.arange(B)[:, None]
+    cols = torch.arange(q)[None, :].expand(B, q)
+    while bool((cur >= 0).any()):
+        valid = cur >= 0
+        out[rows.expand(B, q)[valid], cols[valid], cur[valid]] = True
+        cur = torch.where(valid, parent.gather(1, cur.clamp(min=0)), cur)
+    return out

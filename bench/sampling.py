@@ -1,0 +1,146 @@
+"""Coupled sampling: stateless uniforms and processed target distributions, shared by every method.
+
+The uniform used at output position t of rollout (prompt_id, sample_idx) at step s under seed k
+is a pure function of (k, s, prompt_id, sample_idx, t, stream). Exact verification samples the
+target with that same number at every draft position, so the baseline and every exact method
+emit the *same tokens* (DESIGN.md section 1). Exercised by ``pytest tests/test_sampling.py``.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+STREAM_SAMPLE = 0  # the token sampled at a position (every rule)
+STREAM_ACCEPT = 1  # the ratio rule's independent acceptance test
+
+
+@dataclass
+class SamplingConfig:
+    """How rollouts are sampled; temperature 0 means greedy (argmax, lowest id on ties)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 64
+    seed: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to the checkpoint's EOS
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# ---------------------------------------------------------------- keys (Python ints, per rollout)
+
+def _signed(x: int) -> int:
+    x &= MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def splitmix64(x: int) -> int:
+    """Reference splitmix64 finaliser on Python ints (unsigned 64-bit result)."""
+    z = (x + GOLDEN) & MASK64
+    z = ((z ^ (z >> 30)) * MIX1) & MASK64
+    z = ((z ^ (z >> 27)) * MIX2) & MASK64
+    return z ^ (z >> 31)
+
+
+def stable_hash(text: str) -> int:
+    """A process-independent 64-bit hash of a string (Python's ``hash`` is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+def rollout_seed(seed: int, step: int, prompt_id: str, sample_idx: int) -> int:
+    """The signed int64 key of one rollout slot at one step; positions are mixed in later."""
+    z = splitmix64(seed & MASK64)
+    z = splitmix64(z ^ (step & MASK64))
+    z = splitmix64(z ^ stable_hash(str(prompt_id)))
+    z = splitmix64(z ^ (sample_idx & MASK64))
+    return _signed(z)
+
+
+def uniform_reference(key: int, position: int, stream: int = STREAM_SAMPLE) -> float:
+    """Pure-Python reference of :func:`uniforms` for one (key, position, stream): test vectors."""
+    z = splitmix64((key & MASK64) ^ ((position * GOLDEN) & MASK64) ^ ((stream * MIX2) & MASK64))
+    return ((z >> 11) + 0.5) / float(1 << 53)
+
+
+# ---------------------------------------------------------------- uniforms (vectorised, int64 tensors)
+
+def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift on int64 (torch's >> is arithmetic: mask off the sign extension)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _splitmix64_t(z: torch.Tensor) -> torch.Tensor:
+    z = z + _signed(GOLDEN)  # int64 arithmetic wraps modulo 2**64
+    z = (z ^ _srl(z, 30)) * _signed(MIX1)
+    z = (z ^ _srl(z, 27)) * _signed(MIX2)
+    return z ^ _srl(z, 31)
+
+
+def uniforms(keys: torch.Tensor, positions: torch.Tensor, stream: int = STREAM_SAMPLE) -> torch.Tensor:
+    """Uniforms in (0, 1) as float64.
+
+    keys: [B] int64 (from :func:`rollout_seed`); positions: [B, q] int64 output positions.
+    Returns [B, q] float64, equal to :func:`uniform_reference` element by element.
+    """
+    pos = positions.to(torch.int64)
+    z = keys.to(torch.int64).to(pos.device)[:, None] ^ (pos * _signed(GOLDEN)) ^ _signed((stream * MIX2) & MASK64)
+    z = _splitmix64_t(z)
+    return (_srl(z, 11).to(torch.float64) + 0.5) / float(1 << 53)
+
+
+# ---------------------------------------------------------------- processed distribution
+
+def scaled_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Logits divided by the temperature (unchanged under greedy): what returned logprobs use."""
+    return logits if cfg.greedy or cfg.temperature == 1.0 else logits / cfg.temperature
+
+
+def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The distribution the policy samples from: temperature, then top-k, then top-p.
+
+    logits: [..., V] -> probs [..., V] float64. Greedy gives a one-hot on the argmax. Top-k keeps
+    every token tied with the k-th largest; top-p keeps the smallest prefix (by descending
+    probability, stable on ties) whose mass reaches top_p.
+    """
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float64)
+    x = scaled_logits(logits, cfg).to(torch.float64)
+    if 0 < cfg.top_k < x.shape[-1]:
+        kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = mass_before >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token whose CDF interval holds u: probs [..., V], u [...] in (0,1) -> int64 [...]."""
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    target = (u.to(torch.float64) * cdf[..., -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)

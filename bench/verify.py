@@ -1,0 +1,171 @@
+"""THE verifier: one acceptance code path for every method and engine-agnostic rule.
+
+Rules (DESIGN.md section 3):
+- ``exact``: at each draft node sample y from the processed target with the coupled uniform of
+  that output position; descend to the child whose token is y, else emit y and stop; after the
+  last accepted node emit one more sampled token (the bonus). Lossless for any draft, chain or
+  tree, and emits exactly the tokens plain sampling would.
+- ``ratio`` (SPEC-RL as released, chains only): accept draft token x while
+  u' <= min(1, lenience * p(x) / q(x)) with u' from an independent coupled stream; at the first
+  rejection emit a plain sample from p (no residual). Lossy at every lenience.
+- ``greedy``: accept while the draft equals the argmax (exact at temperature 0).
+
+Exercised by ``pytest tests/test_verify.py``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from methods.base import Draft
+
+from .sampling import (STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, processed_probs,
+                       sample_inverse_cdf, scaled_logits, uniforms)
+
+RULES = ("exact", "ratio", "greedy")
+
+
+@dataclass
+class VerifyConfig:
+    rule: str = "exact"
+    lenience: float = 1.0  # ratio rule only: l = exp(b); SPEC-RL's GRPO default is e^0.5
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"verify.rule must be one of {RULES}, got {self.rule!r}")
+        if not self.lenience >= 1.0:
+            raise ValueError(f"verify.lenience must be >= 1 (1 = no lenience), got {self.lenience}")
+
+    @property
+    def lossless(self) -> bool:
+        return self.rule != "ratio"
+
+
+@dataclass
+class Verdict:
+    """What verification of one row decided.
+
+    ``emitted[i]`` was sampled at local node ``path[i]`` (0 = the rollout's last token, j >= 1 =
+    draft node j-1); ``path[1:]`` are the accepted draft nodes, in order.
+    """
+
+    emitted: list[int]
+    path: list[int]
+    logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path) - 1
+
+
+def node_depths(draft: Draft) -> list[int]:
+    """Depth of each local node: 0 for the root, 1 + parent's depth for draft nodes."""
+    depths = [0]
+    for p in draft.parent_list():
+        depths.append(depths[p + 1] + 1)
+    return depths
+
+
+def descend(sampled: list[int], draft: Draft) -> tuple[list[int], list[int]]:
+    """Exact/greedy descent given the token sampled at every local node.
+
+    sampled[j] is the token drawn at local node j. Returns (emitted, path).
+    Example: draft chain [5, 6, 7], sampled [5, 6, 9, 2] -> emitted [5, 6, 9], path [0, 1, 2].
+    """
+    children: dict[tuple[int, int], int] = {}
+    for i, (tok, p) in enumerate(zip(draft.token_ids, draft.parent_list())):
+        children.setdefault((p + 1, tok), i + 1)  # first node wins on duplicate siblings
+    node, emitted, path = 0, [], [0]
+    while True:
+        y = sampled[node]
+        emitted.append(y)
+        child = children.get((node, y))
+        if child is None:
+            return emitted, path
+        node = child
+        path.append(node)
+
+
+def ratio_accept(draft: Draft, sampled: list[int], accept_u: list[float], target_logp: list[float],
+                 lenience: float) -> tuple[list[int], list[int]]:
+    """SPEC-RL's lenient test on a chain: accept x_i while u'_i <= min(1, l * p(x_i)/q(x_i)).
+
+    target_logp[i] = log p(x_i) under the current policy, draft.logprobs[i] = log q(x_i).
+    At the first rejection emit sampled[i] (a plain sample from p at that position).
+    """
+    if draft.logprobs is None:
+        raise ValueError("verify.rule=ratio needs draft logprobs: use a drafter that provides them "
+                         "(prefix_reuse) or rule=exact")
+    log_l = math.log(lenience)
+    emitted, path = [], [0]
+    for i, x in enumerate(draft.token_ids):
+        log_ratio = log_l + target_logp[i] - draft.logprobs[i]
+        if math.log(accept_u[i]) <= min(0.0, log_ratio):
+            emitted.append(x)
+            path.append(i + 1)
+        else:
+            emitted.append(sampled[i])
+            return emitted, path
+    emitted.append(sampled[len(draft.token_ids)])
+    return emitted, path
+
+
+def verify_batch(logits: torch.Tensor, drafts: list[Draft], keys: torch.Tensor, out_lens: list[int],
+                 sampling: SamplingConfig, verify: VerifyConfig) -> list[Verdict]:
+    """Verify the drafts of a batch of rows in one go.
+
+    logits: [B, K, V], row b's local node j (0 = last token, j >= 1 = draft node j-1) at [b, j]
+    for j <= len(drafts[b]); the rest is padding. keys: [B] int64 rollout keys; out_lens[b]:
+    output length of row b before this iteration (the output position sampled at local node 0).
+    """
+    B, K, _ = logits.shape
+    depth_rows = [node_depths(d) for d in drafts]
+    depth = torch.zeros(B, K, dtype=torch.int64)
+    for b, ds in enumerate(depth_rows):
+        depth[b, :len(ds)] = torch.tensor(ds, dtype=torch.int64)
+    positions = depth + torch.tensor(out_lens, dtype=torch.int64)[:, None]
+    u = uniforms(keys, positions, STREAM_SAMPLE).to(logits.device)
+    greedy = verify.rule == "greedy" or sampling.greedy
+    if greedy:
+        sampled = logits.argmax(-1)
+    else:
+        sampled = sample_inverse_cdf(processed_probs(logits, sampling), u)
+    scaled = scaled_logits(logits, sampling).float() if logits.dtype != torch.float64 else scaled_logits(logits, sampling)
+    lse = torch.logsumexp(scaled, dim=-1)  # [B, K]
+    sampled_l = sampled.tolist()
+
+    if verify.rule == "ratio":
+        if greedy:
+            raise ValueError("verify.rule=ratio needs temperature > 0; use rule=greedy or exact")
+        accept_u = uniforms(keys, positions, STREAM_ACCEPT).tolist()
+        draft_tok = torch.zeros(B, K, dtype=torch.int64)
+        for b, d in enumerate(drafts):
+            if d.token_ids:
+                draft_tok[b, :len(d)] = torch.tensor(d.token_ids, dtype=torch.int64)
+        target_logp = (scaled.gather(-1, draft_tok.to(logits.device)[..., None]).squeeze(-1) - lse).tolist()
+
+    verdicts: list[Verdict] = []
+    for b, d in enumerate(drafts):
+        if verify.rule == "ratio" and len(d):
+            if not d.is_chain:
+                raise ValueError("verify.rule=ratio verifies chain drafts only; use rule=exact for trees")
+            emitted, path = ratio_accept(d, sampled_l[b], accept_u[b], target_logp[b], verify.lenience)
+        else:
+            emitted, path = descend(sampled_l[b], d)
+        verdicts.append(Verdict(emitted, path))
+
+    # logprobs of emitted tokens under the current policy: one gather for the whole batch
+    width = max(len(v.emitted) for v in verdicts)
+    idx_node = torch.zeros(B, width, dtype=torch.int64)
+    idx_tok = torch.zeros(B, width, dtype=torch.int64)
+    for b, v in enumerate(verdicts):
+        idx_node[b, :len(v.path)] = torch.tensor(v.path)
+        idx_tok[b, :len(v.emitted)] = torch.tensor(v.emitted)
+    idx_node, idx_tok = idx_node.to(logits.device), idx_tok.to(logits.device)
+    rows = torch.arange(B, device=logits.device)[:, None]
+    lp = (scaled[rows, idx_node, idx_tok] - lse[rows, idx_node]).tolist()
+    for b, v in enumerate(verdicts):
+        v.logprobs = lp[b][:len(v.emitted)]
+    return verdicts

@@ -1,0 +1,67 @@
+"""Coupled uniforms and processed distributions."""
+import torch
+
+from bench.sampling import (SamplingConfig, processed_probs, rollout_seed, sample_inverse_cdf,
+                            stable_hash, uniform_reference, uniforms)
+
+
+def test_stable_hash_is_fixed_across_processes():
+    # a literal value: Python's salted hash() would differ between runs, this must not
+    assert stable_hash("prompt-17") == stable_hash("prompt-17")
+    assert stable_hash("a") != stable_hash("b")
+    assert stable_hash("prompt-17") == int.from_bytes(
+        __import__("hashlib").blake2b(b"prompt-17", digest_size=8).digest(), "little")
+
+
+def test_vectorised_uniforms_equal_python_reference():
+    keys = [rollout_seed(s, st, p, i) for s, st, p, i in
+            [(0, 0, "p0", 0), (7, 3, "p1", 5), (2**40, 99, "x" * 30, 7), (-1 & 0xFFFF, 1, "", 0)]]
+    pos = torch.tensor([[0, 1, 2, 3, 10**6]] * len(keys))
+    for stream in (0, 1):
+        u = uniforms(torch.tensor(keys), pos, stream)
+        for b, k in enumerate(keys):
+            for j, t in enumerate(pos[b].tolist()):
+                assert u[b, j].item() == uniform_reference(k, t, stream)
+    assert ((u > 0) & (u < 1)).all()
+
+
+def test_uniforms_look_uniform_and_streams_are_independent():
+    keys = torch.tensor([rollout_seed(0, 1, f"p{i}", i % 8) for i in range(4000)])
+    pos = torch.arange(16).expand(4000, 16)
+    u0, u1 = uniforms(keys, pos, 0), uniforms(keys, pos, 1)
+    assert abs(u0.mean().item() - 0.5) < 0.01
+    hist = torch.histc(u0.float(), bins=10, min=0, max=1) / u0.numel()
+    assert (hist - 0.1).abs().max() < 0.01
+    assert abs(torch.corrcoef(torch.stack([u0.flatten(), u1.flatten()]))[0, 1].item()) < 0.02
+    # different steps give different randomness for the same slot (SPEC-RL's fixed matrix must not recur)
+    assert rollout_seed(0, 1, "p", 0) != rollout_seed(0, 2, "p", 0)
+
+
+def test_processed_probs_rules():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.2, 0.1]], dtype=torch.float64))
+    p = processed_probs(logits, SamplingConfig(top_p=0.6))
+    # 0.5 alone is below 0.6, so the nucleus needs one of the 0.2s: the stable sort keeps token 1
+    assert torch.allclose(p, torch.tensor([[5 / 7, 2 / 7, 0, 0]], dtype=torch.float64))
+    p = processed_probs(logits, SamplingConfig(top_k=2))
+    # top-k keeps every token tied with the k-th largest: 0.5, 0.2, 0.2
+    assert torch.allclose(p, torch.tensor([[5 / 9, 2 / 9, 2 / 9, 0]], dtype=torch.float64))
+    p = processed_probs(logits, SamplingConfig(temperature=0))
+    assert p.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    p = processed_probs(logits, SamplingConfig(temperature=2.0))
+    q = torch.tensor([0.5, 0.2, 0.2, 0.1], dtype=torch.float64) ** 0.5
+    assert torch.allclose(p, (q / q.sum())[None])
+
+
+def test_inverse_cdf_sampling_intervals():
+    probs = torch.tensor([0.25, 0.0, 0.5, 0.25], dtype=torch.float64)
+    u = torch.tensor([0.1, 0.2499, 0.26, 0.74, 0.76, 0.999])
+    # cdf = [.25, .25, .75, 1]: token 1 has no mass and is never drawn
+    assert sample_inverse_cdf(probs.expand(6, 4), u).tolist() == [0, 0, 2, 2, 3, 3]
+
+
+def test_bad_sampling_values_are_named():
+    import pytest
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingConfig(temperature=-1)

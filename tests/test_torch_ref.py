@@ -1,0 +1,198 @@
+"""The torch reference engine: exactness by equality, logprobs, tree drafts, checkpoints, bad input."""
+import json
+import random
+
+import pytest
+import torch
+
+from bench.engines.base import Request
+from bench.engines.checkpoint import CheckpointError
+from bench.engines.torch_ref import TorchRefEngine
+from bench.sampling import SamplingConfig
+from bench.verify import VerifyConfig
+from methods.base import Draft, NullDrafter, RolloutKey
+from methods.baseline import Baseline
+from methods.oracle import OracleDrafter
+from tiny_models import make_checkpoint
+
+SAMPLINGS = {"t1": SamplingConfig(max_new_tokens=48), "top_p": SamplingConfig(max_new_tokens=48, top_p=0.9),
+             "greedy": SamplingConfig(temperature=0, max_new_tokens=48)}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return make_checkpoint(root / "a", seed=0), make_checkpoint(root / "b", seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine64(ckpts):
+    eng = TorchRefEngine(dtype="float64")
+    eng.load(ckpts[0])
+    return eng
+
+
+def requests(n: int, step: int = 1) -> list[Request]:
+    # ragged prompts: lengths 2..5
+    return [Request(RolloutKey(f"p{i // 2}", i % 2), [0] + [3 + (7 * i + j) % 30 for j in range(1 + i % 4)], step)
+            for i in range(n)]
+
+
+class TreeOracle(OracleDrafter):
+    """The oracle's chain plus decoy branches: a wrong sibling before every true node, and a wrong
+    subtree under each decoy, so the accepted path is never the first nodes of the block."""
+
+    name = "tree_oracle"
+
+    def propose(self, key, output, budget):
+        chain = super().propose(key, output, budget)
+        toks, parents, prev = [], [], -1
+        for tok in chain.token_ids:
+            decoy = (tok + 1) % 40
+            toks += [decoy, (decoy + 5) % 40, tok]
+            parents += [prev, len(toks) - 3, prev]
+            prev = len(toks) - 1
+        return Draft(toks, parents).truncated(budget)
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+@pytest.mark.parametrize("batch", [1, 8])
+def test_oracle_and_tree_drafts_are_token_identical_to_baseline(engine64, name, batch):
+    sampling = SAMPLINGS[name]
+    reqs = requests(batch)
+    base = engine64.rollout(reqs, sampling, Baseline(), VerifyConfig())
+    futures = {r.key: r.token_ids for r in base}
+    if batch == 8:
+        assert len({len(r.token_ids) for r in base}) > 1, "the ragged batch must finish at different lengths"
+    for drafter in (OracleDrafter(futures, 8), TreeOracle(futures, 4)):
+        out = engine64.rollout(reqs, sampling, drafter, VerifyConfig())
+        assert [r.token_ids for r in out] == [r.token_ids for r in base]
+        for a, b in zip(out, base):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-9)
+            assert a.finish_reason == b.finish_reason
+        # the drafts helped: fewer forward passes, and every accepted token was counted
+        assert sum(r.num_forward_passes for r in out) < sum(r.num_forward_passes for r in base)
+        assert all(r.num_accepted_tokens == sum(r.num_accepted_tokens_per_pos) for r in out)
+    assert all(r.num_forward_passes == len(r.token_ids) for r in base)
+
+
+def test_logprobs_equal_fresh_forward(ckpts):
+    from transformers import AutoModelForCausalLM
+    eng = TorchRefEngine(dtype="float32")
+    eng.load(ckpts[0])
+    sampling = SamplingConfig(max_new_tokens=40, temperature=0.7)
+    reqs = requests(4)
+    base = eng.rollout(reqs, sampling, Baseline(), VerifyConfig())
+    out = eng.rollout(reqs, sampling, OracleDrafter({r.key: r.token_ids for r in base}, 6), VerifyConfig())
+    model = AutoModelForCausalLM.from_pretrained(str(ckpts[0]), dtype=torch.float32).eval()
+    for r in out:
+        ids = torch.tensor([r.prompt_token_ids + r.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0] / 0.7, -1)
+        n = len(r.prompt_token_ids)
+        ref = logp[n - 1:n - 1 + len(r.token_ids)].gather(1, torch.tensor(r.token_ids)[:, None]).squeeze(1)
+        assert r.logprobs == pytest.approx(ref.tolist(), abs=1e-4)
+
+
+def test_continuous_batching_gives_the_same_tokens(ckpts, engine64):
+    eng = TorchRefEngine(dtype="float64", max_batch_size=3)
+    eng.load(ckpts[0])
+    reqs = requests(8)
+    sampling = SAMPLINGS["t1"]
+    assert [r.token_ids for r in eng.rollout(reqs, sampling, Baseline(), VerifyConfig())] == \
+        [r.token_ids for r in engine64.rollout(reqs, sampling, Baseline(), VerifyConfig())]
+
+
+def test_checkpoint_swap_changes_the_policy_and_back(ckpts):
+    eng = TorchRefEngine(dtype="float64")
+    reqs, sampling = requests(4), SAMPLINGS["t1"]
+    eng.load(ckpts[0])
+    first = eng.rollout(reqs, sampling, Baseline(), VerifyConfig())
+    model_before = eng.model
+    eng.load(ckpts[1])
+    assert eng.model is model_before, "same architecture: weights swapped in place"
+    second = eng.rollout(reqs, sampling, Baseline(), VerifyConfig())
+    assert [r.logprobs for r in first] != [r.logprobs for r in second]
+    eng.load(ckpts[0])
+    again = eng.rollout(reqs, sampling, Baseline(), VerifyConfig())
+    assert [r.token_ids for r in again] == [r.token_ids for r in first]
+
+
+class Recorder(NullDrafter):
+    def __init__(self):
+        self.calls = []
+
+    def start(self, key, prompt):
+        self.calls.append(("start", key))
+
+    def observe(self, key, new_tokens):
+        self.calls.append(("observe", key))
+
+    def finish(self, key, rollout):
+        self.calls.append(("finish", key, rollout.run_ahead))
+
+
+def test_run_ahead_requests_feed_the_drafter_but_not_the_results(engine64):
+    reqs = requests(4)
+    extra = [Request(RolloutKey(f"next{i}", 0), [0, 9, 9, i + 3], step=2, run_ahead=True) for i in range(6)]
+    asked = []
+
+    def source(free):
+        asked.append(free)
+        take = extra[:free]
+        del extra[:free]
+        return take
+
+    rec = Recorder()
+    sampling = SAMPLINGS["t1"]
+    out = engine64.rollout(reqs, sampling, rec, VerifyConfig(), run_ahead=source)
+    base = engine64.rollout(reqs, sampling, Baseline(), VerifyConfig())
+    assert [r.token_ids for r in out] == [r.token_ids for r in base]
+    assert asked and all(f > 0 for f in asked)
+    observed = {c[1].prompt_id for c in rec.calls if c[0] == "observe"}
+    assert any(p.startswith("next") for p in observed)
+    assert all(not r.run_ahead for r in out) and len(out) == 4
+
+
+def test_bad_checkpoints_name_the_path(tmp_path, ckpts):
+    eng = TorchRefEngine()
+    with pytest.raises(CheckpointError, match="does not exist"):
+        eng.load(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        eng.load(tmp_path / "empty")
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(CheckpointError, match="not a causal language model"):
+        eng.load(tmp_path / "t5")
+
+
+def test_tokenizer_vocab_mismatch_is_refused(tmp_path, ckpts):
+    import shutil
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    d = tmp_path / "mismatch"
+    shutil.copytree(ckpts[0], d)
+    vocab = {chr(ord("a") + i % 26) + str(i): i for i in range(60)}  # 60 tokens > vocab_size 40
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="a0"))).save_pretrained(str(d))
+    with pytest.raises(CheckpointError, match="60 tokens but config.json vocab_size is 40"):
+        TorchRefEngine().load(d)
+
+
+def test_prompt_longer_than_context_is_refused(engine64):
+    long = [Request(RolloutKey("long", 0), [3] * 500)]
+    with pytest.raises(ValueError, match="'long' has 500 tokens.*context of 512"):
+        engine64.rollout(long, SamplingConfig(max_new_tokens=48), Baseline(), VerifyConfig())
+
+
+def test_rollout_before_load_is_refused():
+    with pytest.raises(RuntimeError, match="before load"):
+        TorchRefEngine().rollout(requests(1), SamplingConfig(), Baseline(), VerifyConfig())
+
+
+def test_drafts_never_overshoot_max_new_tokens(engine64):
+    class Greedy(NullDrafter):
+        def propose(self, key, output, budget):
+            return Draft([random.randrange(40) for _ in range(100)])  # ignores the budget on purpose
+    out = engine64.rollout(requests(8), SamplingConfig(max_new_tokens=20), Greedy(), VerifyConfig())
+    assert all(len(r.token_ids) <= 20 for r in out)

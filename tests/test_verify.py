@@ -1,0 +1,177 @@
+"""The one verifier: every branch of each rule, and a statistical test that exact verification
+reproduces the target distribution for random chain and tree drafts (and catches a wrong rule)."""
+import functools
+import math
+import random
+
+import pytest
+import torch
+
+from bench.sampling import SamplingConfig, rollout_seed
+from bench.verify import VerifyConfig, descend, ratio_accept, verify_batch
+from methods.base import Draft
+
+T1 = SamplingConfig(temperature=1.0)
+
+
+def test_descend_chain_accepts_until_first_mismatch():
+    # sampled tokens equal the draft at nodes 0 and 1, differ at node 2: emit 5, 6, then the sample 9
+    assert descend([5, 6, 9, 2], Draft([5, 6, 7])) == ([5, 6, 9], [0, 1, 2])
+
+
+def test_descend_full_acceptance_emits_bonus():
+    # every draft token matches: the token sampled after the last node is the bonus
+    assert descend([5, 6, 7, 3], Draft([5, 6, 7])) == ([5, 6, 7, 3], [0, 1, 2, 3])
+
+
+def test_descend_empty_draft_is_plain_sampling():
+    assert descend([4], Draft()) == ([4], [0])
+
+
+def test_descend_tree_takes_the_branch_that_matches():
+    # root children: node0=5, node1=8; node2=6 under node0; node3=9 under node1
+    d = Draft([5, 8, 6, 9], parents=[-1, -1, 0, 1])
+    # the sample at the root is 8: descend to node1 (local 2), its sample 9 matches node3 (local 4)
+    sampled = [8, 0, 9, 0, 1]
+    assert descend(sampled, d) == ([8, 9, 1], [0, 2, 4])
+
+
+def test_ratio_rule_branches():
+    d = Draft([5, 6, 7], logprobs=[math.log(0.5)] * 3)
+    target = [math.log(0.5), math.log(0.1), math.log(0.9)]
+    # node 0: ratio 1 -> accept whatever u; node 1: ratio 0.2*l -> u=0.5 rejects at l=1 and emits the plain sample 3
+    assert ratio_accept(d, [0, 3, 0, 0], [0.99, 0.5, 0.1], target, 1.0) == ([5, 3], [0, 1])
+    # lenience e^2 lifts node 1's ratio above 1: all accepted, then the bonus sample 4
+    assert ratio_accept(d, [0, 3, 0, 4], [0.99, 0.5, 0.1], target, math.e ** 2) == ([5, 6, 7, 4], [0, 1, 2, 3])
+    # at the first rejection the plain sample may equal the rejected token itself (no residual)
+    assert ratio_accept(d, [0, 6, 0, 0], [0.99, 0.5, 0.1], target, 1.0) == ([5, 6], [0, 1])
+    with pytest.raises(ValueError, match="logprobs"):
+        ratio_accept(Draft([1]), [0, 0], [0.5], [0.0], 1.0)
+
+
+def test_verify_config_errors():
+    with pytest.raises(ValueError, match="rule"):
+        VerifyConfig(rule="lenient")
+    with pytest.raises(ValueError, match="lenience"):
+        VerifyConfig(rule="ratio", lenience=0.5)
+
+
+def test_greedy_rule_accepts_argmax_only():
+    logits = torch.tensor([[[0.0, 3.0, 1.0], [2.0, 0.0, 1.0], [0.0, 0.0, 5.0]]], dtype=torch.float64)
+    keys = torch.tensor([rollout_seed(0, 0, "p", 0)])
+    # argmax at node 0 is 1 (matches the draft), at node 1 is 0 (the draft says 2): emit 1 then 0
+    v = verify_batch(logits, [Draft([1, 2])], keys, [0], SamplingConfig(temperature=0), VerifyConfig("greedy"))[0]
+    assert (v.emitted, v.path) == ([1, 0], [0, 1])
+    assert v.logprobs == pytest.approx(torch.log_softmax(logits[0], -1)[[0, 1], [1, 0]].tolist())
+
+
+# ------------------------------------------------------------------ statistical test
+
+V, L = 4, 3  # vocabulary and sequence length of the toy target
+
+
+@functools.lru_cache(maxsize=None)
+def toy_logits(prefix: tuple) -> torch.Tensor:
+    """A context-dependent target: deterministic pseudo-random logits per prefix."""
+    g = torch.Generator().manual_seed(1 + sum(t * 7 ** (i + 1) for i, t in enumerate(prefix)) + 1000 * len(prefix))
+    return torch.randn(V, generator=g, dtype=torch.float64) * 1.5
+
+
+def exact_sequence_probs() -> dict:
+    out = {}
+
+    def rec(prefix, p):
+        if len(prefix) == L:
+            out[prefix] = p
+            return
+        probs = torch.softmax(toy_logits(prefix), -1)
+        for t in range(V):
+            rec(prefix + (t,), p * probs[t].item())
+    rec((), 1.0)
+    return out
+
+
+def random_draft(rng: random.Random, tree: bool, with_logprobs: bool) -> Draft:
+    n = rng.randint(0, 4)
+    toks = [rng.randrange(V) for _ in range(n)]
+    parents = [rng.randint(-1, i - 1) for i in range(n)] if tree else None
+    lps = [math.log(rng.uniform(0.05, 1.0)) for _ in range(n)] if with_logprobs else None
+    return Draft(toks, parents, lps)
+
+
+def generate_many(n: int, tree: bool, verify: VerifyConfig, seed: int = 0) -> dict:
+    """Run n independent rollouts of length L through the verifier with random drafts."""
+    rng = random.Random(seed)
+    keys = torch.tensor([rollout_seed(seed, 0, "toy", i) for i in range(n)])
+    outs = [[] for _ in range(n)]
+    while True:
+        live = [i for i in range(n) if len(outs[i]) < L]
+        if not live:
+            break
+        drafts = [random_draft(rng, tree, verify.rule == "ratio") for _ in live]
+        K = 1 + max(len(d) for d in drafts)
+        logits = torch.zeros(len(live), K, V, dtype=torch.float64)
+        for b, (i, d) in enumerate(zip(live, drafts)):
+            ctx = [tuple(outs[i])]
+            for tok, p in zip(d.token_ids, d.parent_list()):
+                ctx.append(ctx[p + 1] + (tok,))
+            for j, c in enumerate(ctx):
+                logits[b, j] = toy_logits(c)
+        verdicts = verify_batch(logits, drafts, keys[live], [len(outs[i]) for i in live], T1, verify)
+        for i, v in zip(live, verdicts):
+            outs[i] = (outs[i] + v.emitted)[:L]
+    counts: dict = {}
+    for o in outs:
+        counts[tuple(o)] = counts.get(tuple(o), 0) + 1
+    return counts
+
+
+def chi_square(counts: dict, probs: dict, n: int) -> float:
+    return sum((counts.get(s, 0) - n * p) ** 2 / (n * p) for s, p in probs.items())
+
+
+# df = 63 cells - 1: mean 63, sd ~11; 140 is ~7 sd out, so a correct rule never fails by chance
+CHI2_LIMIT = 140.0
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_exact_rule_reproduces_target_distribution(tree):
+    n = 12000
+    counts = generate_many(n, tree, VerifyConfig("exact"))
+    assert chi_square(counts, exact_sequence_probs(), n) < CHI2_LIMIT
+
+
+def test_statistical_test_catches_a_wrong_rule():
+    # the lenient ratio rule (with made-up draft probabilities) is biased: the same test must reject it
+    n = 12000
+    counts = generate_many(n, False, VerifyConfig("ratio", lenience=math.e))
+    assert chi_square(counts, exact_sequence_probs(), n) > 5 * CHI2_LIMIT
+
+
+def test_exact_rule_emits_plain_sampling_tokens():
+    # coupling: with the same keys, any draft gives exactly the tokens of drafting nothing
+    n = 300
+    base = generate_many_tokens(n, lambda rng: Draft())
+    for tree in (False, True):
+        assert generate_many_tokens(n, lambda rng: random_draft(rng, tree, False)) == base
+
+
+def generate_many_tokens(n, make_draft):
+    rng = random.Random(1)
+    keys = torch.tensor([rollout_seed(5, 2, "toy", i) for i in range(n)])
+    outs = [[] for _ in range(n)]
+    while any(len(o) < L for o in outs):
+        live = [i for i in range(n) if len(outs[i]) < L]
+        drafts = [make_draft(rng) for _ in live]
+        K = 1 + max(len(d) for d in drafts)
+        logits = torch.zeros(len(live), K, V, dtype=torch.float64)
+        for b, (i, d) in enumerate(zip(live, drafts)):
+            ctx = [tuple(outs[i])]
+            for tok, p in zip(d.token_ids, d.parent_list()):
+                ctx.append(ctx[p + 1] + (tok,))
+            for j, c in enumerate(ctx):
+                logits[b, j] = toy_logits(c)
+        for i, v in zip(live, verify_batch(logits, drafts, keys[live], [len(outs[i]) for i in live], T1,
+                                           VerifyConfig())):
+            outs[i] = (outs[i] + v.emitted)[:L]
+    return outs
