@@ -1,0 +1,311 @@
+"""Every drafter on literal token lists, driven in the engine's call order; every method config instantiates."""
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from methods.base import Draft, Drafter, Rollout, RolloutKey
+from methods.history_spec import HistorySpecDrafter
+from methods.hybrid import HybridDrafter
+from methods.prefix_reuse import PrefixReuseDrafter
+from methods.suffix_global import SuffixGlobalDrafter
+from methods.tree_cache import TreeCacheDrafter
+
+ROOT = Path(__file__).resolve().parents[1]
+P0, P1 = RolloutKey("p", 0), RolloutKey("p", 1)
+
+
+def rollout(key, tokens, step=0, logprobs=None):
+    logprobs = logprobs if logprobs is not None else [-1.0] * len(tokens)
+    return Rollout(key, step, [0], list(tokens), list(logprobs), "stop")
+
+
+def drive(drafter, key, target, step=0, prompt=(0,), budget=64, logprobs=None, finish=True):
+    """Run one rollout as an exact-rule engine would, with ``target`` as the sampled tokens:
+    accept the chain draft while it agrees with target, emit one more target token, observe."""
+    drafter.start(key, list(prompt))
+    output, drafts = [], []
+    while len(output) < len(target):
+        draft = drafter.propose(key, list(output), budget)
+        draft.validate()
+        drafts.append(list(draft.token_ids))
+        accepted = 0
+        while (accepted < len(draft) and len(output) + accepted < len(target)
+               and draft.token_ids[accepted] == target[len(output) + accepted]):
+            accepted += 1
+        new = list(target[len(output):len(output) + accepted + 1])
+        output += new
+        drafter.observe(key, new)
+    if finish:
+        drafter.finish(key, rollout(key, target, step, logprobs))
+    return drafts
+
+
+# ----- prefix reuse (SPEC-RL) -----
+
+def test_prefix_reuse_drafts_the_whole_previous_response_once_with_logprobs():
+    d = PrefixReuseDrafter()
+    d.begin_step(0)
+    assert drive(d, P0, [4, 9, 2], logprobs=[-0.1, -0.5, -0.2]) == [[], [], []]  # nothing cached yet
+    d.begin_step(1)
+    d.start(P0, [0])
+    # the engine budget truncates the old response (and its logprobs) to 2 tokens
+    assert d.propose(P0, [], 2) == Draft([4, 9], None, [-0.1, -0.5])
+    d.start(P0, [0])
+    assert d.propose(P0, [], 8) == Draft([4, 9, 2], None, [-0.1, -0.5, -0.2])
+    # after the first draft (or at any output length > 0) it proposes nothing
+    assert d.propose(P0, [], 8) == Draft()
+    assert d.propose(P0, [4], 8) == Draft()
+
+
+def test_prefix_reuse_counts_skips_and_accepted_prefixes():
+    d = PrefixReuseDrafter()
+    d.begin_step(0)
+    drive(d, P0, [4, 9, 2])
+    drive(d, P1, [1, 2])
+    d.begin_step(1)
+    # slot 0 keeps 4, 9 and then samples 7: accepted prefix 2 of 3, not a skip
+    assert drive(d, P0, [4, 9, 7], step=1)[0] == [4, 9, 2]
+    # slot 1 repeats its old response exactly: the whole draft is accepted (a skip)
+    assert drive(d, P1, [1, 2], step=1)[0] == [1, 2]
+    s = d.stats()
+    assert s["drafted_rollouts"] == 2 and s["full_reuse_rollouts"] == 1
+    assert s["skip_ratio"] == 0.5
+    assert s["mean_accepted_prefix"] == 2.0  # (2 + 2) / 2
+    assert s["cache_entries"] == 2 and s["cache_tokens"] == 5  # the step-1 rollouts replaced step 0's
+
+
+# ----- tree cache (SRT) -----
+
+def test_tree_cache_siblings_share_in_flight_tokens_within_a_step():
+    d = TreeCacheDrafter()
+    d.begin_step(0)
+    drive(d, P0, [5, 6, 7, 8], finish=False)  # sibling 0 is still running
+    d.start(P1, [0])
+    d.observe(P1, [5])
+    d.observe(P1, [6])
+    # sibling 1's context [START, 5, 6] occurred once in sibling 0 (and in itself, where it
+    # has no continuation yet): share 1/2 for 7, then 1 for 8 -> two tokens, score 1.0
+    assert d.propose(P1, [5, 6], 24) == Draft([7, 8])
+
+
+def test_tree_cache_without_in_flight_updates_sees_only_finished_rollouts():
+    d = TreeCacheDrafter(in_flight=False)
+    d.begin_step(0)
+    drive(d, P0, [5, 6, 7, 8], finish=False)
+    d.start(P1, [0])
+    d.observe(P1, [5, 6])
+    assert d.propose(P1, [5, 6], 24) == Draft()  # sibling 0 has not finished
+    d.finish(P0, rollout(P0, [5, 6, 7, 8]))
+    # now the trie holds [START, 5, 6, 7, 8] and P1 is not inside it: share 1 for 7 and 8
+    assert d.propose(P1, [5, 6], 24) == Draft([7, 8])
+
+
+def test_tree_cache_drafts_the_response_start_from_earlier_steps_and_keeps_prompts_apart():
+    d = TreeCacheDrafter()
+    d.begin_step(0)
+    drive(d, P0, [5, 6, 7, 8])
+    d.begin_step(1)
+    d.start(P0, [0])
+    # at output [] the context is [START]: 5 started 1 of the 2 responses (the other is this
+    # one, empty so far) -> share 1/2, budget floor(1 * 1.0) = 1 for match length 1
+    assert d.propose(P0, [], 24) == Draft([5])
+    other = RolloutKey("q", 0)
+    d.start(other, [0])
+    assert d.propose(other, [], 24) == Draft()  # prompt q has its own (empty) trie
+
+
+def test_tree_cache_aborted_rollout_keeps_its_tokens_and_does_no_harm():
+    d = TreeCacheDrafter(run_ahead=True)
+    d.begin_step(0)
+    ahead = RolloutKey("next", 0)
+    drive(d, ahead, [3, 4, 5, 6], finish=False)  # a run-ahead request aborted at the batch end
+    d.begin_step(1)
+    # the prompt's real visit: the aborted tokens are in its trie. At [START] the first
+    # token 3 (share 1/2, budget 1); 3 is accepted and 4 emitted; at [START, 3, 4] the
+    # length-3 match drafts 5 and 6 (1/2 each, budget 3, then the aborted tokens end)
+    drafts = drive(d, ahead, [3, 4, 5, 6], step=1)
+    assert drafts == [[3], [5, 6]]
+    assert d.stats()["sequences"] == 2
+
+
+def test_tree_cache_tree_mode_returns_parents():
+    d = TreeCacheDrafter(tree=True, offset=4)
+    d.begin_step(0)
+    drive(d, P0, [1, 2, 3])
+    drive(d, P1, [1, 4, 3])
+    d.begin_step(1)
+    d.start(P0, [0])
+    d.observe(P0, [1])
+    # context [START, 1] (3 occurrences, 2 earlier ones continue with 2 and 4: 1/3 each),
+    # each continued by 3: a tree with two branches
+    draft = d.propose(P0, [1], 24)
+    assert draft.token_ids == [2, 4, 3, 3] and draft.parents == [-1, -1, 0, 1]
+
+
+# ----- history spec (RhymeRL) -----
+
+def test_history_spec_uses_only_the_last_visit_and_stays_static():
+    d = HistorySpecDrafter()
+    d.begin_step(0)
+    drive(d, P0, [1, 2, 3, 4, 5, 6])
+    d.start(P1, [0])
+    # the previous visit is still running: no trie yet, and sibling tokens are not inserted
+    assert d.propose(P1, [1, 2, 3], 16) == Draft()
+    d.finish(P1, rollout(P1, [1, 2, 3, 9, 9, 9]))
+    d.begin_step(1)
+    d.start(P0, [0])
+    # pattern [START, 1, 2, 3] (length 4) hits: 4 and 9 follow once each, 4 inserted first;
+    # the AIMD length starts at 2
+    assert d.propose(P0, [1, 2, 3], 16) == Draft([4, 5])
+    d.finish(P0, rollout(P0, [7, 7, 7, 7, 7], step=1))
+    d.start(P1, [0])
+    assert d.propose(P1, [1, 2, 3], 16) == Draft([4, 5])  # static during visit 1
+    d.begin_step(2)
+    d.start(P0, [0])
+    # visit 2 sees only visit 1's response [7, 7, 7, 7, 7]
+    assert d.propose(P0, [1, 2, 3], 16) == Draft()
+    assert d.propose(P0, [7, 7, 7], 16) == Draft([7, 7])
+
+
+def test_history_spec_aimd_doubles_to_16_and_halves_to_2():
+    d = HistorySpecDrafter()
+    d.begin_step(0)
+    old = list(range(100, 200))
+    drive(d, P0, old)
+    d.begin_step(1)
+    d.start(P0, [0])
+    out = old[:10]
+    lengths = []
+    for _ in range(5):  # full acceptance each time: 2 -> 4 -> 8 -> 16 -> 16 (cap)
+        draft = d.propose(P0, out, 64)
+        lengths.append(len(draft))
+        d.observe(P0, draft.token_ids + [old[len(out) + len(draft)]])
+        out = old[:len(out) + len(draft) + 1]
+    assert lengths == [2, 4, 8, 16, 16]
+    for expected in (16, 8, 4, 2, 2):  # only the first token accepted: halve, floor 2
+        draft = d.propose(P0, out, 64)
+        assert len(draft) == expected
+        d.observe(P0, [draft.token_ids[0], -5])
+        # (the acceptance is read from observe only; keep drafting on the old response)
+    assert d.draft_length(P0) == 2
+    assert d.stats()["aimd_grow"] == 5 and d.stats()["aimd_shrink"] == 5
+
+
+# ----- suffix decoding (global control) -----
+
+def test_suffix_global_evicts_the_oldest_response_first():
+    d = SuffixGlobalDrafter(max_cached_responses=2)
+    d.begin_step(0)
+    drive(d, RolloutKey("a", 0), [1, 2, 3])
+    drive(d, RolloutKey("b", 0), [4, 5, 6])
+    d.start(P0, [0])
+    d.observe(P0, [1])
+    # [1] occurred once in the global trie, followed by 2 (budget 1 for match length 1)
+    assert d.propose(P0, [1], 24) == Draft([2])
+    drive(d, RolloutKey("c", 0), [7, 8, 9])  # third response: [1, 2, 3] is evicted
+    assert d.cached_sequence_ids() == [1, 2] and d.stats()["evictions"] == 1
+    d.start(P1, [0])
+    d.observe(P1, [1])
+    assert d.propose(P1, [1], 24) == Draft()
+    d.observe(P1, [4])
+    assert d.propose(P1, [1, 4], 24) == Draft([5])  # [4, 5, 6] is still cached
+
+
+def test_suffix_global_uses_the_own_prompt_trie_when_it_scores_better():
+    d = SuffixGlobalDrafter()
+    d.begin_step(0)
+    drive(d, RolloutKey("a", 0), [4, 9])
+    d.start(P0, [3, 4, 5, 3, 4])
+    # own trie: [3, 4] occurred before, followed by 5 (1/2, the other occurrence is the
+    # current end) then 3: [5, 3], score 1.0; the global [4] -> 9 scores 1.0 with budget 1:
+    # a tie, and the own trie wins ties
+    assert d.propose(P0, [], 24) == Draft([5, 3])
+    assert d.stats()["own_wins"] == 1
+
+
+# ----- hybrid (ours) -----
+
+def test_hybrid_drafts_the_old_response_first_and_the_tree_afterwards():
+    d = HybridDrafter()
+    d.begin_step(0)
+    drive(d, P0, [1, 2, 3, 1, 2, 3])
+    d.begin_step(1)
+    d.reset_stats()  # step 0 drafted from the tree too ([1, 2, 3] repeats): count step 1 only
+    d.start(P0, [0])
+    first = d.propose(P0, [], 64)
+    assert first.token_ids == [1, 2, 3, 1, 2, 3] and first.logprobs == [-1.0] * 6
+    d.observe(P0, [1, 2, 7])  # 1, 2 accepted, 7 sampled
+    # [7] has never been followed by anything: the tree has no draft, prefix reuse is spent
+    assert d.propose(P0, [1, 2, 7], 64) == Draft()
+    d.observe(P0, [1])
+    # [1] occurs 4 times (2 old, 2 own) and is followed by 2 in 3 of them -> [2], budget 1
+    assert d.propose(P0, [1, 2, 7, 1], 64) == Draft([2])
+    d.finish(P0, rollout(P0, [1, 2, 7, 1, 2], step=1))
+    s = d.stats()
+    assert s["prefix_drafted_rollouts"] == 1 and s["prefix_mean_accepted_prefix"] == 2.0
+    assert s["tree_drafts"] == 1
+
+
+# ----- protocol and configs -----
+
+CONFIGS = sorted((ROOT / "conf" / "method").glob("*.yaml"))
+
+
+def test_all_method_configs_exist():
+    names = {p.stem for p in CONFIGS}
+    assert {"baseline", "prefix_reuse", "prefix_reuse_exact", "tree_cache", "tree_cache_tree",
+            "tree_cache_runahead", "history_spec", "suffix_global", "hybrid"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_instantiates_and_runs_the_protocol(path):
+    cfg = OmegaConf.load(path)
+    assert cfg.name == path.stem
+    assert cfg.verify.rule in ("exact", "ratio", "greedy-compatible")
+    if cfg.verify.rule == "ratio":
+        assert cfg.verify.lenience == pytest.approx(math.exp(0.5))
+    drafter = instantiate(cfg.drafter)
+    assert isinstance(drafter, Drafter)
+    responses = [[1, 2, 3, 4, 1, 2, 3, 5], [1, 2, 3, 4, 1, 2, 3, 5, 6]]
+    for step in range(3):  # begin_step, then start/propose/observe/finish per rollout
+        drafter.begin_step(step)
+        for i, target in enumerate(responses):
+            drive(drafter, RolloutKey("p", i), target, step=step)
+    if hasattr(drafter, "stats"):
+        stats = drafter.stats()
+        assert all(isinstance(v, (int, float)) for v in stats.values())
+    if cfg.name == "tree_cache_runahead":
+        assert drafter.run_ahead is True
+
+
+def test_every_drafter_has_flat_numeric_stats():
+    for drafter in (PrefixReuseDrafter(), TreeCacheDrafter(), HistorySpecDrafter(),
+                    SuffixGlobalDrafter(), HybridDrafter()):
+        stats = drafter.stats()
+        assert stats and all(isinstance(v, (int, float)) for v in stats.values())
+        assert "cache_bytes" in stats
+
+
+def test_propose_before_start_is_harmless():
+    for drafter in (PrefixReuseDrafter(), TreeCacheDrafter(), HistorySpecDrafter(),
+                    SuffixGlobalDrafter(), HybridDrafter()):
+        assert drafter.propose(P0, [1, 2], 8) == Draft()
+        drafter.observe(P0, [1, 2])
+
+
+def test_methods_never_import_an_engine():
+    banned = {"torch", "transformers", "vllm", "sglang"}
+    for path in (ROOT / "methods").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not {n.split(".")[0] for n in names} & banned, f"{path.name} imports {names}"
