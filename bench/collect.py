@@ -43,6 +43,11 @@ def sampling_label(config: dict) -> str:
     return " ".join(f"{k}={fmt(s.get(k))}" for k in SAMPLING_KEYS)
 
 
+def _named(section):
+    """A config section's name: ``trace: {name: tiny, ...}`` or ``trace: tiny``."""
+    return section.get("name") if isinstance(section, dict) else section
+
+
 def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
     """Run folders at or under each path (a run folder holds steps.parquet/ or summary.json)."""
     found: list[Path] = []
@@ -75,8 +80,8 @@ def load_runs(paths: Iterable[str | Path], progress: bool = True):
         configs[run_id] = config
         info = {"run_id": run_id, "run_dir": str(run_dir), "status": summary.get("status"),
                 "start_time": summary.get("start_time"), "sampling": sampling_label(config),
-                "trace": (config.get("trace") or {}).get("name", summary.get("trace")),
-                "engine": summary.get("engine") or (config.get("engine") or {}).get("name")}
+                "trace": _named(config.get("trace")) or summary.get("trace"),
+                "engine": summary.get("engine") or _named(config.get("engine"))}
         runs.append(info)
         for frame in (r, s):
             frame["run_id"] = run_id
@@ -133,9 +138,14 @@ def _vs_baseline(per_step: pd.DataFrame, baseline: str, notes: list[str]) -> pd.
 
 def collect(paths: Iterable[str | Path], baseline: str = "baseline", progress: bool = True) -> Collection:
     """Load, deduplicate, and compare every run under ``paths`` (see the module docstring)."""
+    paths = list(paths)
     runs, rollouts, steps, configs = load_runs(paths, progress)
     chosen, notes = _select(runs, steps, configs, baseline)
-    keep = lambda d: d[[(r, m) in chosen for r, m in zip(d["run_id"], d["method"])]].assign(
+    if steps.empty:
+        raise RunFolderError(f"the runs under {', '.join(map(str, paths))} have no finished "
+                             f"(step, method) unit yet; collect again when one has finished")
+    keep = lambda d: d.loc[np.array([(r, m) in chosen for r, m in zip(d["run_id"], d["method"])],
+                                    dtype=bool)].assign(
         method=lambda x: [chosen[(r, m)] for r, m in zip(x["run_id"], x["method"])])
     rollouts, steps = keep(rollouts), keep(steps)
     by = [*GROUP, "method"]

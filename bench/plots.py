@@ -93,8 +93,8 @@ def plot_speedup(col: Collection, out_dir: Path) -> list[Path]:
             ax.text(1.0, 1.0, "baseline ", transform=ax.get_yaxis_transform(), ha="right",
                     va="bottom", fontsize=8, color="0.3")
             for xi, v in zip(x, grp["speedup"]):
-                ax.text(xi, v / 2, f"{v:.2f}×", ha="center", va="center", color="white",
-                        fontsize=9, fontweight="bold")
+                ax.text(xi, 0.03, f"{v:.2f}×", ha="center", va="bottom", color="white",
+                        fontsize=9, fontweight="bold", transform=ax.get_xaxis_transform())
             ax.set_xticks(x, grp["method"], rotation=20 if len(grp) > 3 else 0)
             ax.set_ylabel("speedup over baseline (×)")
             ax.set_title(_title("Rollout speedup (error bars: ± s.d. across steps)", g))

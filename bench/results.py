@@ -230,8 +230,8 @@ class RunWriter:
             self.summary = {"run_id": self.run_dir.name, **environment(), **(summary or {}),
                             "start_time": _now(), "end_time": None, "status": "running"}
             engine = self.config.get("engine")
-            if "engine" not in self.summary and isinstance(engine, Mapping):
-                self.summary["engine"] = engine.get("name")
+            if "engine" not in self.summary and engine is not None:
+                self.summary["engine"] = engine.get("name") if isinstance(engine, Mapping) else engine
         self.run_id = str(self.summary.get("run_id") or self.run_dir.name)
         self.rollouts_dir.mkdir(exist_ok=True)
         self.steps_dir.mkdir(exist_ok=True)

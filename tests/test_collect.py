@@ -111,3 +111,11 @@ def test_accepted_lengths_from_per_position_counts():
     # 5 drafts; 4 accepted their first token, 2 their second, none a third
     assert accepted_lengths([4, 2, 0], 5).tolist() == [1, 2, 2, 0]
     assert accepted_lengths([], 0).tolist() == [0]
+
+
+def test_runs_without_finished_units_are_a_clear_error(tmp_path):
+    from bench.results import RunWriter
+    from results_fixtures import run_config
+    RunWriter(tmp_path / "started", run_config(), {})
+    with pytest.raises(RunFolderError, match="no finished"):
+        collect([tmp_path], progress=False)
