@@ -6,9 +6,9 @@ Every substring of length <= ``max_depth`` of the inserted sequences is a path f
 a node's ``count`` is how often its substring occurs (the root counts inserted tokens). Each
 sequence keeps its *active nodes* (the nodes of its last ``max_depth`` suffixes), so appending a
 token moves each of them one child down: O(max_depth) per token. Children are ranked by count;
-ties go to the child created first (the earlier-inserted continuation), and ``node.top`` caches
-the winner so drafting never sorts. Memory is O(tokens x max_depth) nodes (no path
-compression); ``approx_bytes`` reports it. ``NativeSuffixTree`` wraps the compressed C++ tree of
+ties go to the child created first (the earlier-inserted continuation), and each node caches
+its top child so drafting never sorts. Memory is O(tokens x max_depth) nodes (no path
+compression, about 150 bytes a node); ``approx_bytes`` reports it. ``NativeSuffixTree`` wraps the compressed C++ tree of
 the ``arctic_inference`` package where that is installed.
 """
 from __future__ import annotations
@@ -19,18 +19,9 @@ from typing import NamedTuple, Sequence
 from .base import Draft
 
 START = -1  # token id that marks the start of a response in per-prompt tries (never drafted)
-NODE_BYTES = 72 + 224  # a slotted node plus a small dict, measured on CPython 3.11 (approximate)
-
-
-class Node:
-    __slots__ = ("token", "count", "children", "top", "serial")
-
-    def __init__(self, token: int, serial: int):
-        self.token = token
-        self.count = 0
-        self.children: dict[int, Node] = {}
-        self.top: Node | None = None  # child with the highest count; ties: lowest serial
-        self.serial = serial  # creation order inside the trie
+ROOT = 0  # node id of the root
+STRIDE = 1 << 32  # edge key = parent * STRIDE + token + 1; token ids must lie in [-1, 2**32 - 1)
+NODE_BYTES = 6 * 8 + 100  # six list slots plus one edge-dict entry with its int key and value
 
 
 class Speculation(NamedTuple):
@@ -48,30 +39,33 @@ class Speculation(NamedTuple):
 NO_SPECULATION = Speculation([], None, 0.0, 0)
 
 
-def _rank_top(node: Node) -> None:
-    """Recompute ``node.top`` after a child's count went down (rare: only on removal)."""
-    best = None
-    for child in node.children.values():  # dict order is creation order: first wins ties
-        if best is None or child.count > best.count:
-            best = child
-    node.top = best
-
-
 class SuffixTrie:
-    """Depth-limited suffix trie over int token sequences, each identified by an int ``seq_id``."""
+    """Depth-limited suffix trie over int token sequences, each identified by an int ``seq_id``.
+
+    Nodes are int ids into flat lists (count, top child, token, creation serial, first child,
+    next sibling) and edges live in one int-keyed dict: no object per node, so building a large
+    trie neither allocates containers nor wakes Python's cyclic garbage collector.
+    """
 
     def __init__(self, max_depth: int = 64):
         if max_depth < 1:
             raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         self.max_depth = max_depth
-        self.root = Node(START, 0)
+        self._edge: dict[int, int] = {}
+        self._count = [0]
+        self._top = [-1]  # child with the highest count; ties: lowest serial (created first)
+        self._token = [START]
+        self._serial = [0]
+        self._first = [-1]  # first child (children form a singly linked sibling list)
+        self._next = [-1]  # next sibling
+        self._free: list[int] = []  # ids of pruned nodes, reused
+        self._next_serial = 1
         self.num_nodes = 1
         self.version = 0  # bumped by every change; ContextMatcher uses it to know when to rematch
-        self._serial = 1
         self._seqs: dict[int, list[int]] = {}
-        self._active: dict[int, list[Node]] = {}  # shallowest first: index i has depth i + 1
+        self._active: dict[int, list[int]] = {}  # shallowest first: index i has depth i + 1
 
-    # ----- building -----
+    # ----- inspection -----
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
@@ -80,6 +74,50 @@ class SuffixTrie:
 
     def sequence(self, seq_id: int) -> list[int]:
         return self._seqs[seq_id]
+
+    def count_of(self, node: int) -> int:
+        return self._count[node]
+
+    def top_child(self, node: int) -> int | None:
+        top = self._top[node]
+        return None if top < 0 else top
+
+    def children(self, node: int) -> dict[int, int]:
+        """{token: child node} in creation order."""
+        kids = []
+        child = self._first[node]
+        while child >= 0:
+            kids.append(child)
+            child = self._next[child]
+        kids.sort(key=self._serial.__getitem__)
+        return {self._token[c]: c for c in kids}
+
+    def approx_bytes(self) -> int:
+        return len(self._count) * NODE_BYTES + sum(8 * len(s) + 8 * len(a) for s, a in
+                                                   zip(self._seqs.values(), self._active.values()))
+
+    # ----- building -----
+    def _new_node(self, parent: int, token: int) -> int:
+        if self._free:
+            node = self._free.pop()
+            self._count[node] = 0
+            self._top[node] = -1
+            self._token[node] = token
+            self._serial[node] = self._next_serial
+            self._first[node] = -1
+        else:
+            node = len(self._count)
+            self._count.append(0)
+            self._top.append(-1)
+            self._token.append(token)
+            self._serial.append(self._next_serial)
+            self._first.append(-1)
+            self._next.append(-1)
+        self._next_serial += 1
+        self._next[node] = self._first[parent]
+        self._first[parent] = node
+        self.num_nodes += 1
+        return node
 
     def append(self, seq_id: int, token: int) -> None:
         self.extend(seq_id, (token,))
@@ -93,26 +131,26 @@ class SuffixTrie:
             seq = self._seqs[seq_id] = []
             self._active[seq_id] = []
         active = self._active[seq_id]
-        root, max_depth = self.root, self.max_depth
-        serial = self._serial
+        edge, count, top, serial = self._edge, self._count, self._top, self._serial
+        max_depth = self.max_depth
         for token in tokens:
             seq.append(token)
-            root.count += 1
-            active.insert(0, root)
+            count[ROOT] += 1
+            active.insert(0, ROOT)
             if len(active) > max_depth:
                 active.pop()  # the suffix already at max_depth stops growing
+            key_token = token + 1
             for i, node in enumerate(active):
-                child = node.children.get(token)
+                key = node * STRIDE + key_token
+                child = edge.get(key)
                 if child is None:
-                    child = node.children[token] = Node(token, serial)
-                    serial += 1
-                count = child.count = child.count + 1
-                top = node.top
-                if top is None or count > top.count or (count == top.count and child.serial < top.serial):
-                    node.top = child
+                    child = edge[key] = self._new_node(node, token)
+                c = count[child] + 1
+                count[child] = c
+                t = top[node]
+                if t < 0 or c > count[t] or (c == count[t] and serial[child] < serial[t]):
+                    top[node] = child
                 active[i] = child
-        self.num_nodes += serial - self._serial
-        self._serial = serial
         self.version += 1
 
     def remove(self, seq_id: int) -> None:
@@ -121,44 +159,78 @@ class SuffixTrie:
         if seq is None:
             return
         del self._active[seq_id]
-        root, max_depth, n = self.root, self.max_depth, len(seq)
+        edge, count, top = self._edge, self._count, self._top
+        max_depth, n = self.max_depth, len(seq)
         for start in range(n):
-            root.count -= 1
-            node = root
+            count[ROOT] -= 1
+            node = ROOT
             for idx in range(start, min(n, start + max_depth)):
-                child = node.children.get(seq[idx])
+                key = node * STRIDE + seq[idx] + 1
+                child = edge.get(key)
                 if child is None:
                     break
-                child.count -= 1
-                if child.count == 0:
-                    del node.children[seq[idx]]
-                    self.num_nodes -= _subtree_size(child)
-                    if node.top is child:
-                        _rank_top(node)
+                count[child] -= 1
+                if count[child] == 0:
+                    del edge[key]
+                    self._unlink(node, child)
+                    self._free_subtree(child)
+                    if top[node] == child:
+                        self._rank_top(node)
                     break
-                if node.top is child:
-                    _rank_top(node)
+                if top[node] == child:
+                    self._rank_top(node)
                 node = child
         self.version += 1
 
-    def approx_bytes(self) -> int:
-        return self.num_nodes * NODE_BYTES + sum(8 * len(s) + 8 * len(a) for s, a in
-                                                 zip(self._seqs.values(), self._active.values()))
+    def _rank_top(self, node: int) -> None:
+        """Recompute a node's top child after a child's count went down (only on removal)."""
+        count, serial = self._count, self._serial
+        best = -1
+        child = self._first[node]
+        while child >= 0:
+            if best < 0 or count[child] > count[best] or (
+                    count[child] == count[best] and serial[child] < serial[best]):
+                best = child
+            child = self._next[child]
+        self._top[node] = best
+
+    def _unlink(self, parent: int, node: int) -> None:
+        nxt = self._next
+        if self._first[parent] == node:
+            self._first[parent] = nxt[node]
+            return
+        prev = self._first[parent]
+        while nxt[prev] != node:
+            prev = nxt[prev]
+        nxt[prev] = nxt[node]
+
+    def _free_subtree(self, node: int) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            child = self._first[n]
+            while child >= 0:
+                del self._edge[n * STRIDE + self._token[child] + 1]
+                stack.append(child)
+                child = self._next[child]
+            self._free.append(n)
+            self.num_nodes -= 1
 
     # ----- matching -----
-    def find(self, context: Sequence[int], start: int, end: int) -> Node | None:
+    def find(self, context: Sequence[int], start: int, end: int) -> int | None:
         """The node of ``context[start:end]``, or None if that substring never occurred."""
-        node = self.root
+        edge = self._edge
+        node = ROOT
         for idx in range(start, end):
-            node = node.children.get(context[idx])
+            node = edge.get(node * STRIDE + context[idx] + 1)
             if node is None:
                 return None
         return node
 
-    def match(self, context: Sequence[int]) -> list[Node]:
+    def match(self, context: Sequence[int]) -> list[int]:
         """Nodes of the context's suffixes of length 1, 2, ... up to the longest that occurs."""
         n = len(context)
-        nodes: list[Node] = []
+        nodes: list[int] = []
         for m in range(1, min(n, self.max_depth) + 1):
             node = self.find(context, n - m, n)
             if node is None:
@@ -166,12 +238,12 @@ class SuffixTrie:
             nodes.append(node)
         return nodes
 
-    def own_matches(self, seq_id: int) -> list[Node]:
+    def own_matches(self, seq_id: int) -> list[int]:
         """For a sequence inside the trie its active nodes are its suffix matches, for free."""
         return self._active.get(seq_id, [])
 
     # ----- drafting -----
-    def speculate(self, matches: Sequence[Node], max_spec_tokens: int, factor: float = 1.0,
+    def speculate(self, matches: Sequence[int], max_spec_tokens: int, factor: float = 1.0,
                   offset: float = 0.0, min_prob: float = 0.1, tree: bool = False) -> Speculation:
         """SuffixDecoding's rule over ``matches[m - 1]`` = node of the length-m context suffix.
 
@@ -181,21 +253,22 @@ class SuffixTrie:
         score wins, ties to the longer match. Longer matches are tried first, and a shorter one
         is skipped when even budget x its first share cannot beat the best score.
         """
+        count, top = self._count, self._top
         best, best_score = None, 0.0
         best_m = len(matches)
         for m in range(len(matches), 0, -1):
             budget = min(max_spec_tokens, int(m * factor + offset + 1e-6))
             node = matches[m - 1]
-            top = node.top
-            if budget <= 0 or top is None:
+            first = top[node]
+            if budget <= 0 or first < 0:
                 continue
             reach = budget if tree else min(budget, self.max_depth - m)
-            if reach * top.count / node.count <= best_score:
+            if reach * count[first] / count[node] <= best_score:
                 continue  # every path probability is <= the first share: cannot win
             if tree:
-                tokens, parents, score = _expand_tree(node, budget, min_prob)
+                tokens, parents, score = self._expand_tree(node, budget, min_prob)
             else:
-                tokens, score = _follow_path(node, budget, min_prob)
+                tokens, score = self._follow_path(node, budget, min_prob)
                 parents = None
             if score > best_score:
                 best, best_score, best_m = (tokens, parents), score, m
@@ -210,60 +283,52 @@ class SuffixTrie:
         n = len(context)
         for m in range(min(window, n, self.max_depth - 1), min_match - 1, -1):
             node = self.find(context, n - m, n)
-            if node is not None and node.top is not None:
-                tokens, score = _follow_path(node, max_spec_tokens, min_prob)
+            if node is not None and self._top[node] >= 0:
+                tokens, score = self._follow_path(node, max_spec_tokens, min_prob)
                 return Speculation(tokens, None, score, m)
         return NO_SPECULATION
 
+    def _follow_path(self, node: int, budget: int, min_prob: float) -> tuple[list[int], float]:
+        count, top, token = self._count, self._top, self._token
+        tokens: list[int] = []
+        prob, score = 1.0, 0.0
+        while len(tokens) < budget:
+            child = top[node]
+            if child < 0:
+                break
+            prob *= count[child] / count[node]
+            if prob < min_prob:
+                break
+            tokens.append(token[child])
+            score += prob
+            node = child
+        return tokens, score
 
-def _follow_path(node: Node, budget: int, min_prob: float) -> tuple[list[int], float]:
-    tokens: list[int] = []
-    prob, score = 1.0, 0.0
-    while len(tokens) < budget:
-        child = node.top
-        if child is None:
-            break
-        prob *= child.count / node.count
-        if prob < min_prob:
-            break
-        tokens.append(child.token)
-        score += prob
-        node = child
-    return tokens, score
-
-
-def _expand_tree(node: Node, budget: int, min_prob: float) -> tuple[list[int], list[int], float]:
-    """Best-first expansion by path probability; equal probabilities pop in push order."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    score, order = 0.0, 0
-    heap: list[tuple[float, int, Node, int]] = []
-    prob, parent = 1.0, -1
-    while True:
-        count = node.count
-        for child in node.children.values():
-            p = prob * (child.count / count)
-            if p >= min_prob:
-                heappush(heap, (-p, order, child, parent))
-                order += 1
-        if not heap or len(tokens) >= budget:
-            break
-        neg_prob, _, node, parent_index = heappop(heap)
-        prob = -neg_prob
-        parents.append(parent_index)
-        tokens.append(node.token)
-        score += prob
-        parent = len(tokens) - 1
-    return tokens, parents, score
-
-
-def _subtree_size(node: Node) -> int:
-    size, stack = 0, [node]
-    while stack:
-        n = stack.pop()
-        size += 1
-        stack.extend(n.children.values())
-    return size
+    def _expand_tree(self, node: int, budget: int, min_prob: float) -> tuple[list[int], list[int], float]:
+        """Best-first expansion by path probability; equal probabilities: earlier-created first."""
+        count, serial, first, nxt = self._count, self._serial, self._first, self._next
+        tokens: list[int] = []
+        parents: list[int] = []
+        score = 0.0
+        heap: list[tuple[float, int, int, int]] = []
+        prob, parent = 1.0, -1
+        while True:
+            total = count[node]
+            child = first[node]
+            while child >= 0:
+                p = prob * (count[child] / total)
+                if p >= min_prob:
+                    heappush(heap, (-p, serial[child], child, parent))
+                child = nxt[child]
+            if not heap or len(tokens) >= budget:
+                break
+            neg_prob, _, node, parent_index = heappop(heap)
+            prob = -neg_prob
+            parents.append(parent_index)
+            tokens.append(self._token[node])
+            score += prob
+            parent = len(tokens) - 1
+        return tokens, parents, score
 
 
 class ContextMatcher:
@@ -278,7 +343,7 @@ class ContextMatcher:
     def __init__(self, trie: SuffixTrie, tokens: Sequence[int] = ()):
         self.trie = trie
         self.tokens: list[int] = list(tokens)[-trie.max_depth:]
-        self.nodes: list[Node] = trie.match(self.tokens)
+        self.nodes: list[int] = trie.match(self.tokens)
         self.version = trie.version
 
     def feed(self, tokens: Sequence[int]) -> None:
@@ -289,22 +354,24 @@ class ContextMatcher:
             del self.tokens[:-max_depth]
         if self.version != trie.version:
             return  # rematched lazily in matches()
+        edge = trie._edge
         nodes = self.nodes
         for token in tokens:
-            child = trie.root.children.get(token)
+            key_token = token + 1
+            child = edge.get(ROOT * STRIDE + key_token)
             if child is None:
                 nodes = []
                 continue
             stepped = [child]
             for node in nodes[:max_depth - 1]:
-                child = node.children.get(token)
+                child = edge.get(node * STRIDE + key_token)
                 if child is None:
                     break
                 stepped.append(child)
             nodes = stepped
         self.nodes = nodes
 
-    def matches(self) -> list[Node]:
+    def matches(self) -> list[int]:
         if self.version != self.trie.version:
             self.nodes = self.trie.match(self.tokens[-self.trie.max_depth:])
             self.version = self.trie.version

@@ -143,9 +143,10 @@ def test_tree_cache_tree_mode_returns_parents():
     d.start(P0, [0])
     d.observe(P0, [1])
     # context [START, 1] (3 occurrences, 2 earlier ones continue with 2 and 4: 1/3 each),
-    # each continued by 3: a tree with two branches
+    # each continued by 3 (1/3 again). Equal probabilities pop in creation order: 2, then the
+    # 3 after it (created while rollout 0 ran), then 4 and its 3: a tree with two branches
     draft = d.propose(P0, [1], 24)
-    assert draft.token_ids == [2, 4, 3, 3] and draft.parents == [-1, -1, 0, 1]
+    assert draft.token_ids == [2, 3, 4, 3] and draft.parents == [-1, 0, -1, 2]
 
 
 # ----- history spec (RhymeRL) -----

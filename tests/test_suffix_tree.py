@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from methods.suffix_tree import START, ContextMatcher, NativeSuffixTree, SuffixTrie
+from methods.suffix_tree import ROOT, START, ContextMatcher, NativeSuffixTree, SuffixTrie
 
 
 def trie_of(*seqs, depth=8):
@@ -17,11 +17,11 @@ def trie_of(*seqs, depth=8):
 
 def counts(trie):
     """{substring: count} for every node below the root."""
-    out, stack = {}, [((), trie.root)]
+    out, stack = {}, [((), ROOT)]
     while stack:
         path, node = stack.pop()
-        for token, child in node.children.items():
-            out[path + (token,)] = child.count
+        for token, child in trie.children(node).items():
+            out[path + (token,)] = trie.count_of(child)
             stack.append((path + (token,), child))
     return out
 
@@ -38,7 +38,7 @@ def brute_counts(seqs, depth):
 def test_counts_are_occurrences_and_depth_is_limited():
     trie = trie_of([1, 2, 1, 2, 3], depth=3)
     c = counts(trie)
-    assert trie.root.count == 5  # one suffix start per token
+    assert trie.count_of(ROOT) == 5  # one suffix start per token
     assert c[(1,)] == 2 and c[(1, 2)] == 2 and c[(1, 2, 1)] == 1 and c[(2, 1, 2)] == 1
     assert (1, 2, 1, 2) not in c  # deeper than max_depth 3
     assert trie.num_nodes == 1 + len(c)
@@ -137,7 +137,7 @@ def test_removal_restores_drafts_and_prunes_nodes():
     assert trie.speculate(trie.match([1]), 4).token_ids == [2]
     assert (trie.num_nodes, counts(trie)) == before
     trie.remove(0)
-    assert trie.num_nodes == 1 and trie.root.count == 0 and trie.root.top is None
+    assert trie.num_nodes == 1 and trie.count_of(ROOT) == 0 and trie.top_child(ROOT) is None
 
 
 def test_first_hit_uses_the_longest_matching_pattern_even_if_shorter_scores_better():
@@ -217,6 +217,6 @@ def test_pure_python_drafts_equal_native_ones(tree):
         else:  # allowed only through equal-count children (its children sit in a hash map)
             node = trie.match(context)[theirs.match_len - 1]
             for token in theirs.token_ids:
-                child = node.children[token]
-                assert child.count == node.top.count
+                child = trie.children(node)[token]
+                assert trie.count_of(child) == trie.count_of(trie.top_child(node))
                 node = child
