@@ -1,0 +1,12 @@
+"""Shared fixtures: the tiny recorded trace (recorded once into the trace cache, then reused)."""
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_trace():
+    """Path of the tiny countdown trace (6 steps x 4 prompts x 4 samples, max 16 new tokens).
+
+    Recorded on first use (about half a minute on one core) into ``$SPECROLLOUT_CACHE``.
+    """
+    from bench.record import ensure_trace
+    return ensure_trace("countdown-tiny", tiny=True, progress=False)

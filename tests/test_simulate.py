@@ -1,0 +1,211 @@
+"""Offline simulation: literal recorded rollouts, log folders, refusals, and agreement with the real engine."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from bench.simulate import (SimulationError, load_input, main, method_config, oracle_passes, simulate,
+                            summarize)
+from methods.base import Draft, NullDrafter
+
+EOS = 1
+
+
+def step_table(rows):
+    """rows: (prompt_id, sample_idx, tokens) -> a recorded step table."""
+    return pd.DataFrame({"prompt_id": [r[0] for r in rows], "sample_idx": [r[1] for r in rows],
+                         "token_ids": [list(r[2]) for r in rows]})
+
+
+# two prompts, two samples each; every response ends with EOS
+STEP0 = step_table([("a", 0, [5, 6, 7, 8, 9, EOS]), ("a", 1, [5, 6, 3, EOS]),
+                    ("b", 0, [4, 4, 4, 2, EOS]), ("b", 1, [2, 3, EOS])])
+
+
+def metrics(rows, method):
+    return summarize(rows).set_index("method").loc[method]
+
+
+def test_oracle_accepts_every_token_and_baseline_none():
+    rows = simulate({0: STEP0}, {}, {"oracle": method_config("oracle"), "baseline": method_config("baseline")},
+                    max_new_tokens=16)
+    oracle, base = metrics(rows, "oracle"), metrics(rows, "baseline")
+    # the oracle drafts each whole future (budget 15 >= every length - 1): one pass per rollout
+    assert (rows[rows.method == "oracle"]["num_forward_passes"] == 1).all()
+    assert oracle["acceptance_rate"] == 1.0
+    assert oracle["tokens_per_step"] == pytest.approx(STEP0["token_ids"].map(len).mean())
+    assert base["tokens_per_step"] == 1.0 and base["num_drafts"] == 0
+    assert rows.groupby("method")["output_len"].sum().tolist() == [18, 18]
+
+
+def test_oracle_is_capped_by_the_engine_budget():
+    long = step_table([("a", 0, list(range(2, 12)))])  # 10 tokens, max_new_tokens 10: a length finish
+    rows = simulate({0: long}, {}, {"oracle": method_config("oracle")}, max_new_tokens=10)
+    r = rows.iloc[0]
+    # budget max_new_tokens - 0 - 1 = 9 drafted and accepted, plus the bonus: one pass
+    assert (r.num_draft_tokens, r.num_accepted_tokens, r.num_forward_passes) == (9, 9, 1)
+    assert r.num_accepted_tokens_per_pos == [1] * 9 and r.finish_reason == "length"
+
+
+class Fixed(NullDrafter):
+    """Proposes the same draft at output length 0 only."""
+
+    def __init__(self, draft):
+        self.draft = draft
+
+    def propose(self, key, output, budget):
+        return self.draft if not output else Draft()
+
+
+def test_chain_and_tree_acceptance_follow_the_recorded_tokens():
+    one = {0: step_table([("a", 0, [5, 6, 7, 8, EOS])])}
+    # chain [5, 6, 9]: 5 and 6 match, 9 != 7 -> 2 accepted, emitted 5 6 7; then 8, EOS one by one
+    rows = simulate(one, {}, {"chain": Fixed(Draft([5, 6, 9]))}, 16)
+    r = rows.iloc[0]
+    assert (r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens, r.num_forward_passes) == (1, 3, 2, 3)
+    assert r.num_accepted_tokens_per_pos == [1, 1]
+    # tree: decoy 4 first, then 5 -> (decoy 9, 6 -> 7): the deepest matching path is 5 6 7
+    tree = Draft([4, 5, 9, 6, 7], [-1, -1, 1, 1, 3])
+    r = simulate(one, {}, {"tree": Fixed(tree)}, 16).iloc[0]
+    assert (r.num_draft_tokens, r.num_accepted_tokens, r.num_forward_passes) == (5, 3, 2)
+    # a draft running past the recorded end: accepted up to EOS, nothing emitted after it
+    r = simulate(one, {}, {"past": Fixed(Draft([5, 6, 7, 8, EOS, 3, 3]))}, 16).iloc[0]
+    assert (r.num_accepted_tokens, r.num_forward_passes, r.output_len) == (5, 1, 5)
+
+
+def test_tree_cache_benefits_from_an_earlier_identical_rollout():
+    again = step_table([("a", 0, [5, 6, 7, 8, 9, EOS])])
+    steps = {0: step_table([("a", 0, [5, 6, 7, 8, 9, EOS])]), 1: again}
+    rows = simulate(steps, {}, {"tree_cache": method_config("tree_cache")}, 16)
+    by_step = summarize(rows, per_step=True).set_index("step")
+    # step 0: an empty trie, one token per pass; step 1: the same response drafted from step 0's
+    assert by_step.loc[0, "tokens_per_step"] == 1.0
+    assert by_step.loc[1, "tokens_per_step"] > 1.5
+    assert by_step.loc[1, "acceptance_rate"] == 1.0
+    # and with nothing in between, a different prompt gets nothing from it
+    other = {0: steps[0], 1: step_table([("b", 0, [5, 6, 7, 8, 9, EOS])])}
+    rows = simulate(other, {}, {"tree_cache": method_config("tree_cache")}, 16)
+    assert summarize(rows, per_step=True).set_index("step").loc[1, "tokens_per_step"] == 1.0
+
+
+def test_oracle_tokens_per_step_on_a_literal_cache():
+    steps = {0: step_table([("a", 0, [1, 2, 3, 4, EOS])]), 1: step_table([("a", 0, [1, 2, 3, 9, EOS])])}
+    hist = oracle_passes(steps, 16, in_flight=False)
+    # step 0: empty cache, 5 passes; step 1: [1, 2, 3] occurs in the cache -> 3 + bonus 9, then EOS
+    assert hist == {(0, "a", 0): 5, (1, "a", 0): 2}
+    # in flight, a rollout repeating itself helps itself: [7, 7, 7, 7, EOS] -> 7 | 7 | 7 7 + EOS
+    rep = {0: step_table([("a", 0, [7, 7, 7, 7, EOS])])}
+    assert oracle_passes(rep, 16, in_flight=True) == {(0, "a", 0): 3}
+    assert oracle_passes(rep, 16, in_flight=False) == {(0, "a", 0): 5}
+    rows = simulate(steps, {}, {"baseline": method_config("baseline")}, 16)
+    assert summarize(rows).loc[0, "oracle_tokens_per_step"] == pytest.approx(10 / 7)
+
+
+def test_log_folder_jsonl_and_parquet(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with open(logs / "step_3.jsonl", "w") as f:
+        for pid, idx, toks in zip(STEP0.prompt_id, STEP0.sample_idx, STEP0.token_ids):
+            f.write(json.dumps({"prompt_id": pid, "sample_idx": int(idx), "token_ids": toks,
+                                "prompt_token_ids": [9, 9]}) + "\n")
+    STEP0.to_parquet(logs / "step_00004.parquet")
+    (logs / "notes.txt").write_text("ignored")
+    steps, prompts, max_new = load_input(logs)
+    assert sorted(steps) == [3, 4] and prompts == {"a": [9, 9], "b": [9, 9]} and max_new is None
+    out = tmp_path / "table.csv"
+    main([str(logs), "--method", "tree_cache", "--method", "baseline", "--out", str(out)])
+    table = pd.read_csv(out)
+    assert set(table["method"]) == {"tree_cache", "baseline"} and sorted(set(table["step"])) == [3, 4]
+    assert "oracle_tokens_per_step" in capsys.readouterr().out
+
+
+def test_folder_without_trace_or_logs_is_one_clear_error(tmp_path):
+    (tmp_path / "rollouts.csv").write_text("x")
+    with pytest.raises(SimulationError, match="neither a trace") as err:
+        load_input(tmp_path)
+    assert str(tmp_path) in str(err.value) and "step_<N>.jsonl" in str(err.value)
+    with pytest.raises(SystemExit, match="neither a trace"):
+        main([str(tmp_path), "--method", "baseline"])
+    pd.DataFrame({"prompt_id": ["a"], "tokens": [[1]]}).to_parquet(tmp_path / "step_1.parquet")
+    with pytest.raises(SimulationError, match=r"lacks columns \['sample_idx', 'token_ids'\]"):
+        load_input(tmp_path)
+
+
+def test_ratio_rule_is_refused():
+    with pytest.raises(SimulationError, match="needs exact verification.*prefix_reuse_exact"):
+        simulate({0: STEP0}, {}, {"prefix_reuse": method_config("prefix_reuse")}, 16)
+    cfg = OmegaConf.create({"drafter": {"_target_": "methods.baseline.Baseline"},
+                            "verify": {"rule": "ratio", "lenience": 1.0}})
+    with pytest.raises(SimulationError, match="verify.rule=ratio"):
+        simulate({0: STEP0}, {}, {"custom": cfg}, 16)
+    # the exact-rule config of the same cache simulates
+    rows = simulate({0: STEP0, 1: STEP0}, {}, {"prefix_reuse_exact": method_config("prefix_reuse_exact")}, 16)
+    assert metrics(rows, "prefix_reuse_exact")["acceptance_rate"] == 1.0  # step 1 repeats step 0
+
+
+# ---------------------------------------------------------------- agreement with the engine
+
+# (method, drafter overrides, history only). Given identical tokens the engine and the simulation
+# call the drafter in the same order, so in-flight methods agree exactly too (seen on the tiny trace).
+CASES = [("history_spec", {}, True), ("prefix_reuse_exact", {}, True), ("tree_cache", {"in_flight": False}, True),
+         ("tree_cache", {}, False), ("hybrid", {}, False)]
+COUNTERS = ["num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_forward_passes"]
+
+
+def _cfg(name, overrides):
+    cfg = method_config(name)
+    for k, v in overrides.items():
+        cfg.drafter[k] = v
+    return cfg
+
+
+def _engine_counters(trace, cfg):
+    """Replay every step on the torch reference engine in float64 with the trace's sampling and seed."""
+    from hydra.utils import instantiate
+
+    from bench.engines.base import Request
+    from bench.engines.torch_ref import TorchRefEngine
+    from bench.verify import VerifyConfig
+    from methods.base import RolloutKey
+
+    engine = TorchRefEngine(dtype="float64")
+    sampling = trace.sampling.to_config()
+    drafter = instantiate(cfg.drafter)
+    rows = []
+    for s in trace.steps:
+        df = trace.rollouts(s.step)
+        engine.load(trace.checkpoint(s.step))
+        drafter.begin_step(s.step)
+        reqs = [Request(RolloutKey(p, int(i)), trace.prompts[p], s.step) for p, i in zip(df.prompt_id, df.sample_idx)]
+        for rec, r in zip(df.token_ids, engine.rollout(reqs, sampling, drafter, VerifyConfig())):
+            rows.append({"step": s.step, "prompt_id": r.key.prompt_id, "sample_idx": r.key.sample_idx,
+                         "same_tokens": list(rec) == r.token_ids, "num_accepted_tokens_per_pos":
+                         r.num_accepted_tokens_per_pos, **{c: getattr(r, c) for c in COUNTERS}})
+    engine.close()
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.slow
+def test_simulation_matches_the_engine_on_the_tiny_trace(tiny_trace):
+    from bench.trace import Trace
+    trace = Trace.load(tiny_trace)
+    steps, prompts, max_new = load_input(tiny_trace)
+    keys = ["step", "prompt_id", "sample_idx"]
+    # first: a baseline replay with the recorder's seed reproduces the recorded rollouts token for token
+    base = _engine_counters(trace, method_config("baseline"))
+    assert base["same_tokens"].all(), f"{(~base.same_tokens).sum()} rollouts differ from the recording"
+    for name, over, history_only in CASES:
+        cfg = _cfg(name, over)
+        eng = _engine_counters(trace, cfg)
+        sim = simulate(steps, prompts, {name: cfg}, max_new)
+        both = eng.merge(sim, on=keys, suffixes=("_eng", "_sim"))
+        assert len(both) == len(eng) == len(sim) and both["same_tokens"].all()
+        diff = (both["num_accepted_tokens_eng"] - both["num_accepted_tokens_sim"]).abs()
+        kind = "history only" if history_only else "in flight"
+        print(f"{name} {over} ({kind}): engine accepted {both.num_accepted_tokens_eng.sum()}, simulation "
+              f"{both.num_accepted_tokens_sim.sum()}, rollouts differing {int((diff > 0).sum())}/{len(both)}")
+        for c in COUNTERS + ["num_accepted_tokens_per_pos"]:
+            assert both[f"{c}_eng"].tolist() == both[f"{c}_sim"].tolist(), (name, c)
