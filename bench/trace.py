@@ -321,6 +321,14 @@ class TraceWriter:
         _atomic_write(self.root / MANIFEST, yaml.safe_dump(manifest, sort_keys=False, width=120))
 
 
+def publish_dir(tmp: Path, target: Path) -> None:
+    """Rename a finished temp dir into place, with the permissions of a normally created dir."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    os.replace(tmp, target)
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)

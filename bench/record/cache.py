@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from ..trace import MANIFEST
+from ..trace import MANIFEST, publish_dir
 from .grpo import RECORDER_VERSION, RecordConfig
 
 PRESETS = {"countdown": RecordConfig, "countdown-tiny": RecordConfig.tiny}
@@ -46,7 +46,8 @@ def ensure_trace(name_or_dir: str | os.PathLike, tiny: bool = False, progress: b
 
     ``name_or_dir`` is a cache name (``"countdown"``, ``"countdown-tiny"``, or any name: recorded
     with the default settings, or the tiny ones when ``tiny``) or a directory path. A directory
-    that holds a trace not made by this recorder (e.g. an imported one) is returned as it is.
+    that holds a trace is returned as it is; a cached trace recorded by an older recorder version
+    or with other settings is recorded again and replaced.
     """
     text = os.fspath(name_or_dir)
     is_path = os.sep in text or text.startswith(".") or Path(text).is_absolute()
@@ -54,23 +55,26 @@ def ensure_trace(name_or_dir: str | os.PathLike, tiny: bool = False, progress: b
     cfg = _config_for(target.name, tiny)
     if (target / MANIFEST).exists():
         manifest = yaml.safe_load((target / MANIFEST).read_text()) or {}
-        if "recorder" not in manifest or _is_current(target, cfg):
-            return target
+        if is_path or "recorder" not in manifest or _is_current(target, cfg):
+            return target  # a cached trace of an older recorder or other settings is re-recorded
+    elif target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"{target} exists but holds no {MANIFEST}: it is not a trace; delete it or "
+                              f"choose another directory")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.recording-", dir=target.parent))
     try:
         from .grpo import record
         record(tmp, cfg, progress=progress)
-        if target.exists():  # stale (or a concurrent recorder finished first): swap it out
-            if _is_current(target, cfg):
-                shutil.rmtree(tmp)
-                return target
+        if (target / MANIFEST).exists() and not _is_current(target, cfg):  # stale: move it away
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
             os.replace(target, old / "trace")
-            os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+        try:
+            publish_dir(tmp, target)
+        except OSError:  # a concurrent recorder published first
+            if not _is_current(target, cfg):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
