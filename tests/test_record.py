@@ -1,0 +1,160 @@
+"""The bundled recorder: task parser and reward, char tokenizer, and the tiny GRPO trace it records.
+
+    pytest tests/test_record.py
+"""
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from bench.record import task as countdown
+from bench.record.task import Problem, parse_answer, reward
+from bench.trace import Trace
+
+P = Problem((3, 5, 7), 15)  # prompt "3 5 7>15:"
+
+
+@pytest.mark.parametrize("answer, expected", [
+    ("3+5+7=15", 1.0),        # all three numbers
+    ("7+5+3=15", 1.0),        # any order
+    ("3*5=15", 1.0),          # a subset of the numbers is allowed
+    ("(7-5)*3+9=15", 0.1),    # 9 is not one of the numbers: well formed but wrong
+    ("5*3+7-7=15", 0.1),      # 7 used twice
+    ("3+5+7=16", 0.1),        # claims the wrong value
+    ("3+5=15", 0.1),          # claims the target but evaluates to 8
+    ("35-7*3=15", 0.1),       # digits glued into 35 (not a given number)
+    ("(3+5)*7/8=7", 0.1),     # parses, wrong target and an unknown 8
+    ("3+5+7", 0.0),           # no "=N"
+    ("3+5+7=", 0.0),          # no claimed value
+    ("3++5=8", 0.0),          # operator without operand
+    ("(3+5=8", 0.0),          # unbalanced parenthesis
+    ("3/(5-5)=0", 0.0),       # division by zero is not a value
+    ("3+5=1=5", 0.0),         # two '='
+    ("__import__('os')=1", 0.0),  # never evaluated as Python
+    ("", 0.0),
+])
+def test_reward_cases(answer, expected):
+    assert reward(P, answer) == expected
+
+
+def test_parser_is_exact_arithmetic():
+    value, literals, claimed = parse_answer("(7+5)/3*2=8")  # 12 / 3 * 2, left to right
+    assert (value, literals, claimed) == (8, [7, 5, 3, 2], 8)
+    value, _, _ = parse_answer("7/2*2=7")  # exact fractions: 7/2 is not truncated
+    assert value == 7
+    assert parse_answer("7-5-1=1")[0] == 1  # left associative
+
+
+def test_problems_are_deterministic_and_solvable():
+    a = countdown.make_problems(20, seed=5)
+    assert a == countdown.make_problems(20, seed=5)
+    assert a != countdown.make_problems(20, seed=6)
+    assert len(set(a)) == 20
+    for p in a:
+        sols = countdown.solutions(p)
+        assert len(sols) >= 4  # many valid answers per problem (the policy stays stochastic)
+        assert all(1 <= x <= 9 for x in p.numbers) and p.target not in p.numbers
+        assert all(reward(p, s) == 1.0 for s in sols)
+    assert countdown.score(P.metadata(), "3*5=15") == 1.0
+
+
+def test_tokenizer_round_trip(tmp_path):
+    from transformers import AutoTokenizer
+
+    from bench.record.tokenizer import ALPHABET, SPECIALS, save_tokenizer
+
+    save_tokenizer(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert len(tok) == len(SPECIALS) + len(ALPHABET)
+    text = "3 5 7>15:(7-5)*3*5/2=15"
+    ids = tok(text)["input_ids"]
+    assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1  # one token per character
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert tok.decode(ids + [tok.eos_token_id]).endswith("=15<eos>")
+    assert tok("x")["input_ids"] == [tok.bos_token_id, tok.unk_token_id]
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+
+
+def test_tiny_trace_is_valid_and_stores_stats(tiny_trace):
+    trace = Trace.load(tiny_trace)
+    recorder = trace.manifest["recorder"]
+    n, steps = recorder["n"], recorder["steps"]
+    assert trace.task == "countdown" and trace.sampling.n == n and len(trace.steps) == steps
+    for s in trace.steps:
+        ckpt = trace.checkpoint(s.step)
+        for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+            assert (ckpt / f).exists(), f
+        df = trace.rollouts(s.step)
+        assert len(df) == len(s.prompt_ids) * n
+        assert sorted(set(df.prompt_id)) == sorted(s.prompt_ids)
+        for pid, ids, lps, r in zip(df.prompt_id, df.token_ids, df.logprobs, df.reward):
+            assert len(ids) == len(lps) <= trace.sampling.max_new_tokens
+            assert max(lps) <= 0.0
+            assert trace.reward(pid, ids) == r  # the trace scores replays like the recorder did
+    stats = json.loads((tiny_trace / "stats.json").read_text())
+    rows = stats["steps"]
+    assert [r["step"] for r in rows] == trace.step_numbers
+    for key in ("reward_mean", "length_mean", "length_p90", "repeat_frac", "distinct_frac"):
+        assert key in rows[0]
+    repeats = [r["repeat_frac"] for r in rows if r["repeat_frac"] is not None]
+    assert repeats and statistics.mean(repeats) < 0.9  # a stochastic policy: visits differ
+    assert statistics.mean(r["distinct_frac"] for r in rows) > 0.3
+    # every prompt is visited once per epoch
+    per_epoch = recorder["num_prompts"] // recorder["prompts_per_step"]
+    for e in range(steps // per_epoch):
+        epoch = [p for s in trace.steps[e * per_epoch:(e + 1) * per_epoch] for p in s.prompt_ids]
+        assert sorted(epoch) == sorted(trace.prompts)
+
+
+def test_baseline_replay_reproduces_the_recording(tiny_trace):
+    """Coupled sampling: the recorder's seed makes a baseline replay emit the recorded tokens."""
+    from bench.engines.base import Request
+    from bench.engines.torch_ref import TorchRefEngine
+    from bench.verify import VerifyConfig
+    from methods.base import RolloutKey
+    from methods.baseline import Baseline
+
+    trace = Trace.load(tiny_trace)
+    engine = TorchRefEngine(dtype="float32")  # as recorded
+    for step in (trace.step_numbers[0], trace.step_numbers[-1]):
+        engine.load(trace.checkpoint(step))
+        df = trace.rollouts(step)
+        requests = [Request(RolloutKey(p, int(i)), trace.prompts[p], step=step)
+                    for p, i in zip(df.prompt_id, df.sample_idx)]
+        out = engine.rollout(requests, trace.sampling.to_config(), Baseline(), VerifyConfig())
+        assert [o.token_ids for o in out] == [list(t) for t in df.token_ids]
+
+
+def test_ensure_trace_is_atomic(tmp_path, monkeypatch):
+    from bench.record import ensure_trace
+    from bench.record import grpo
+
+    def killed(out, cfg, progress=True):
+        (out / "trace.yaml").write_text("name: half\n")  # a half-written trace
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(grpo, "record", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ensure_trace(tmp_path / "t", tiny=True)
+    assert not (tmp_path / "t").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_ensure_trace_reuses_an_existing_trace(tiny_trace, tmp_path, monkeypatch):
+    from bench.record import ensure_trace
+    from bench.record import grpo
+
+    monkeypatch.setattr(grpo, "record", lambda *a, **k: pytest.fail("must not record again"))
+    assert ensure_trace(tiny_trace, tiny=True) == tiny_trace
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="not a trace"):
+        ensure_trace(tmp_path / "junk")
+
+
+def test_cli_refuses_to_overwrite(tiny_trace):
+    from bench.record.__main__ import main
+
+    with pytest.raises(SystemExit, match="already holds a trace"):
+        main(["--out", str(tiny_trace), "--tiny"])
