@@ -1,7 +1,7 @@
 """Record an RL trace with the bundled tiny task and policy (SFT warm start, then GRPO).
 
-    python -m bench.record --out /tmp/trace_tiny --tiny
-    python -m bench.record --out /tmp/trace              # the default trace, a few minutes on 2 cores
+    python -m bench.record --out traces/countdown-tiny --tiny
+    python -m bench.record --out traces/countdown       # the default trace, about 1.5 minutes on 2 cores
 """
 from __future__ import annotations
 

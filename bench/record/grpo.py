@@ -1,6 +1,6 @@
 """The GRPO recorder: SFT warm start, then GRPO steps whose checkpoints and rollouts form a trace.
 
-    python -m bench.record --out /tmp/trace_tiny --tiny
+    python -m bench.record --out traces/countdown-tiny --tiny
 
 Rollouts are sampled by the torch reference engine with the baseline drafter and coupled sampling
 under the recorder's seed, so a baseline replay of the trace reproduces them token for token.

@@ -1,6 +1,6 @@
 """The tiny Llama-architecture policy of the recorder, and how its checkpoints are saved.
 
-    python -m bench.record.model --out /tmp/tiny_policy
+    python -m bench.record.model --out tiny_policy
 
 Small enough to train on a laptop CPU in seconds, yet a standard ``LlamaForCausalLM`` that every
 engine loads (head_dim 64: vLLM's CPU attention refuses smaller heads).

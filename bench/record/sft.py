@@ -1,6 +1,6 @@
 """A short supervised warm start that leaves the tiny policy partly trained and stochastic.
 
-    python -m bench.record.sft --steps 150 --out /tmp/sft_policy
+    python -m bench.record.sft --steps 250 --out sft_policy
 
 The policy learns the answer format and some arithmetic from enumerated valid answers, but is
 stopped early on purpose: a converged model is nearly deterministic, and a trace recorded from it
@@ -23,7 +23,7 @@ from . import task as countdown
 
 @dataclass
 class SFTConfig:
-    steps: int = 150
+    steps: int = 250
     batch_size: int = 64
     lr: float = 2e-3
     weight_decay: float = 0.01

@@ -1,6 +1,6 @@
 """A character-level tokenizer for the recorder's task, loadable with ``AutoTokenizer``.
 
-    python -m bench.record.tokenizer --out /tmp/char_tok
+    python -m bench.record.tokenizer --out char_tokenizer
 
 One token per character of ``ALPHABET`` plus ``<pad>``, ``<bos>``, ``<eos>``, ``<unk>``. Encoding
 a text adds ``<bos>`` in front (so a prompt is ready to generate from); the recorder appends
