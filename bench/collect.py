@@ -94,6 +94,14 @@ def load_runs(paths: Iterable[str | Path], progress: bool = True):
             pd.concat(steps, ignore_index=True), configs)
 
 
+def _method_section(config: dict, method: str) -> dict:
+    """A method's knobs in a run config: ``method: {name: {...}}`` (one or many methods per run)."""
+    section = config.get("method") or {}
+    if isinstance(section, dict) and isinstance(section.get(method), dict):
+        return section[method]
+    return section if isinstance(section, dict) else {}
+
+
 def _select(runs, steps, configs, baseline: str) -> tuple[dict[tuple[str, str], str], list[str]]:
     """{(run_id, method): label} of the rows to use, and notes on variants and duplicates."""
     notes, chosen = [], {}
@@ -103,7 +111,7 @@ def _select(runs, steps, configs, baseline: str) -> tuple[dict[tuple[str, str], 
         method, where = key[-1], "/".join(map(str, key[:-1]))
         # knob sweeps (config.yaml ``method:`` differs) are variants; the baseline has no knobs
         knobs = {rid: {} if method == baseline else
-                 {k: v for k, v in _flatten(configs[rid].get("method") or {}).items() if k}
+                 {k: v for k, v in _flatten(_method_section(configs[rid], method)).items() if k}
                  for rid in grp["run_id"]}
         varying = sorted(k for k in set().union(*knobs.values())
                          if len({repr(v.get(k)) for v in knobs.values()}) > 1)

@@ -102,7 +102,7 @@ def ratio_accept(draft: Draft, sampled: list[int], accept_u: list[float], target
     emitted, path = [], [0]
     for i, x in enumerate(draft.token_ids):
         log_ratio = log_l + target_logp[i] - draft.logprobs[i]
-        if math.log(accept_u[i]) <= min(0.0, log_ratio):
+        if math.log(accept_u[i]) <= min(0.0, log_ratio):  # log_ratio may be -inf (p(x) = 0)
             emitted.append(x)
             path.append(i + 1)
         else:
@@ -137,14 +137,17 @@ def verify_batch(logits: torch.Tensor, drafts: list[Draft], keys: torch.Tensor, 
     sampled_l = sampled.tolist()
 
     if verify.rule == "ratio":
-        if greedy:
-            raise ValueError("verify.rule=ratio needs temperature > 0; use rule=greedy or exact")
         accept_u = uniforms(keys, positions, STREAM_ACCEPT).tolist()
         draft_tok = torch.zeros(B, K, dtype=torch.int64)
         for b, d in enumerate(drafts):
             if d.token_ids:
                 draft_tok[b, :len(d)] = torch.tensor(d.token_ids, dtype=torch.int64)
-        target_logp = (scaled.gather(-1, draft_tok.to(logits.device)[..., None]).squeeze(-1) - lse).tolist()
+        draft_tok = draft_tok.to(logits.device)
+        if greedy:  # the target is the one-hot argmax: p(x) is 1 or 0
+            target = torch.where(draft_tok == sampled, 0.0, float("-inf"))
+        else:
+            target = scaled.gather(-1, draft_tok[..., None]).squeeze(-1) - lse
+        target_logp = target.tolist()
 
     verdicts: list[Verdict] = []
     for b, d in enumerate(drafts):

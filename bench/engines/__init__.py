@@ -11,7 +11,11 @@ def make_engine(name: str, **kwargs) -> Engine:
     if name == "torch_ref":
         from .torch_ref import TorchRefEngine
         return TorchRefEngine(**kwargs)
-    raise ValueError(f"Unknown engine {name!r}; choose one of {sorted(ENGINE_EXTRAS)}")
+    if name in ENGINE_EXTRAS:
+        raise NotImplementedError(
+            f"engine {name!r} has no adapter in this version of SpecRollout yet (planned: install it in its "
+            f"own environment with pip install -e '.[{ENGINE_EXTRAS[name]}]'); use engine=torch_ref")
+    raise ValueError(f"Unknown engine {name!r}; choose one of {sorted(ENGINE_EXTRAS)} (conf/engine/)")
 
 
 __all__ = ["Engine", "Request", "make_engine"]

@@ -66,6 +66,7 @@ class TorchRefEngine:
         self.model = None
         self.info: CheckpointInfo | None = None
         self._arch_key: str | None = None
+        self.last_iterations = 0
 
     # ------------------------------------------------------------------ checkpoints
     def load(self, checkpoint: str | Path) -> None:
@@ -119,6 +120,7 @@ class TorchRefEngine:
         done: dict[int, Rollout] = {}
         order = {id(r): i for i, r in enumerate(requests)}
         cache = SlotKVCache(capacity=1)
+        self.last_iterations = 0  # forward passes of this call (what steps.parquet records)
         t0 = time.perf_counter()
         with torch.inference_mode():
             while rows or waiting:
@@ -135,6 +137,7 @@ class TorchRefEngine:
                     cache.add_rows(len(new), max(need, cache.capacity))
                     rows += new
                 self._iterate(rows, cache, sampling, drafter, verify, stops, t0)
+                self.last_iterations += 1
                 keep = []
                 for i, row in enumerate(rows):
                     if not row.finish_reason:
