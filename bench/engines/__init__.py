@@ -11,6 +11,9 @@ def make_engine(name: str, **kwargs) -> Engine:
     if name == "torch_ref":
         from .torch_ref import TorchRefEngine
         return TorchRefEngine(**kwargs)
+    if name == "vllm":
+        from .vllm import VLLMEngine  # imports no vLLM until the engine is built
+        return VLLMEngine(**kwargs)
     if name in ENGINE_EXTRAS:
         raise NotImplementedError(
             f"engine {name!r} has no adapter in this version of SpecRollout yet (planned: install it in its "
