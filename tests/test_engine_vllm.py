@@ -1,0 +1,216 @@
+"""The vLLM engine on the tiny trace: every method runs, greedy exactness, distribution tests at
+temperature 1 (and that they catch a biased rule), checkpoint swaps, logprobs against transformers.
+
+    bash .ci/engine-vllm.sh        (builds the vLLM environment, then: python -m pytest -m vllm tests/test_engine_vllm.py)
+"""
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+import torch  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from bench.cli import CONF_DIR  # noqa: E402
+from bench.engines import make_engine  # noqa: E402
+from bench.engines.checkpoint import CheckpointError  # noqa: E402
+from bench.replay import step_requests  # noqa: E402
+from bench.sampling import SamplingConfig  # noqa: E402
+from bench.trace import Trace  # noqa: E402
+from bench.verify import VerifyConfig  # noqa: E402
+from methods.base import Draft, NullDrafter  # noqa: E402
+from methods.baseline import Baseline  # noqa: E402
+
+METHODS = sorted(p.stem for p in (Path(CONF_DIR) / "method").glob("*.yaml"))
+EXACT = [m for m in METHODS if OmegaConf.load(Path(CONF_DIR) / "method" / f"{m}.yaml").verify.rule != "ratio"]
+
+
+WARM = [0, 1, 2]  # every prompt of step 2 was visited at step 0 or 1: caches have its earlier rollouts
+
+
+def method(name):
+    cfg = OmegaConf.load(Path(CONF_DIR) / "method" / f"{name}.yaml")
+    return (lambda: instantiate(cfg.drafter)), VerifyConfig(**OmegaConf.to_container(cfg.verify, resolve=True))
+
+
+@pytest.fixture(scope="module")
+def trace(tiny_trace):
+    return Trace.load(tiny_trace)
+
+
+@pytest.fixture(scope="module")
+def engine(trace):
+    eng = make_engine("vllm", **{k: v for k, v in OmegaConf.load(Path(CONF_DIR) / "engine" / "vllm.yaml").items()
+                                 if k != "name"})
+    eng.load(trace.checkpoint(0))
+    yield eng
+    eng.close()
+
+
+def replay(engine, trace, drafter, verify, sampling, steps, n):
+    """Rollouts of every step in ``steps`` (the drafter keeps its caches); returns the last step's."""
+    for step in steps:
+        engine.load(trace.checkpoint(step))
+        drafter.begin_step(step)
+        out = engine.rollout(step_requests(trace, step, n), sampling, drafter, verify)
+    return out
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_completes(engine, trace, name):
+    make, verify = method(name)
+    sampling = SamplingConfig(max_new_tokens=trace.sampling.max_new_tokens)
+    rollouts = replay(engine, trace, make(), verify, sampling, WARM, 4)
+    assert len(rollouts) == len(trace.step(WARM[-1]).prompt_ids) * 4
+    for r in rollouts:
+        assert 1 <= len(r.token_ids) <= sampling.max_new_tokens and len(r.logprobs) == len(r.token_ids)
+        assert r.finish_reason in ("stop", "length") and r.num_forward_passes >= 1
+        assert r.num_accepted_tokens <= r.num_draft_tokens
+    if name != "baseline":  # speculation happened at the prompts' second visit
+        assert sum(r.num_draft_tokens for r in rollouts) > 0
+
+
+def test_greedy_exact_methods_equal_the_baseline(engine, trace):
+    sampling = SamplingConfig(temperature=0, max_new_tokens=trace.sampling.max_new_tokens)
+    steps = WARM
+    base = [r.token_ids for r in replay(engine, trace, Baseline(), VerifyConfig(), sampling, steps, 2)]
+    for name in EXACT + ["prefix_reuse"]:  # the ratio rule accepts exactly the argmax under greedy
+        make, verify = method(name)
+        rollouts = replay(engine, trace, make(), verify, sampling, steps, 2)
+        assert [r.token_ids for r in rollouts] == base, f"{name} differs from the vLLM baseline under greedy"
+        if name in ("prefix_reuse_exact", "tree_cache", "hybrid"):  # history_spec's 4-token match may not occur
+            assert sum(r.num_accepted_tokens for r in rollouts) > 0, name
+
+
+# ---------------------------------------------------------------- distribution at temperature 1
+
+def chi2_pvalue(a: list[int], b: list[int]) -> float:
+    """Two-sample chi-square test of equal distributions of two samples of categories."""
+    cats = sorted(set(a) | set(b))
+    table = torch.tensor([[a.count(c) for c in cats], [b.count(c) for c in cats]], dtype=torch.float64)
+    keep = table.sum(0) >= 5  # pool rare categories into one
+    table = torch.cat([table[:, keep], table[:, ~keep].sum(1, keepdim=True)], 1)
+    table = table[:, table.sum(0) > 0]
+    if table.shape[1] < 2:
+        return 1.0
+    expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    df = table.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def features(rollouts):
+    """Per rollout: (prompt, first token), (prompt, length), (prompt, second token)."""
+    return ([(r.key.prompt_id, r.token_ids[0]) for r in rollouts],
+            [(r.key.prompt_id, len(r.token_ids)) for r in rollouts],
+            [(r.key.prompt_id, r.token_ids[1] if len(r.token_ids) > 1 else -1) for r in rollouts])
+
+
+class FixedDraft(NullDrafter):
+    """Drafts the same tokens for every rollout at output 0 with a tiny draft logprob, so the lenient
+    ratio rule accepts them almost always (a deliberately biased acceptance), while exact is lossless."""
+
+    def __init__(self, tokens):
+        self.tokens = list(tokens)
+
+    def propose(self, key, output, budget):
+        if output:
+            return Draft()
+        toks = self.tokens[:budget]
+        return Draft(toks, None, [-30.0] * len(toks))
+
+
+N = 64  # samples per prompt: enough power for first-token and length distributions
+
+
+@pytest.fixture(scope="module")
+def t1_baseline(engine, trace):
+    sampling = SamplingConfig(max_new_tokens=trace.sampling.max_new_tokens, seed=1)
+    return sampling, replay(engine, trace, Baseline(), VerifyConfig(), sampling, WARM[-1:], N)
+
+
+@pytest.mark.parametrize("name", ["prefix_reuse_exact", "tree_cache", "hybrid"])
+def test_exact_methods_match_the_baseline_in_distribution(engine, trace, t1_baseline, name):
+    sampling, base = t1_baseline
+    make, verify = method(name)
+    rollouts = replay(engine, trace, make(), verify, SamplingConfig(max_new_tokens=sampling.max_new_tokens, seed=2),
+                      WARM, N)
+    assert sum(r.num_accepted_tokens for r in rollouts) > 0
+    for fa, fb in zip(features(base), features(rollouts)):
+        assert chi2_pvalue(fa, fb) > 1e-3, f"{name}: rollouts differ in distribution from the vLLM baseline"
+
+
+def test_the_distribution_test_catches_a_biased_rule(engine, trace, t1_baseline):
+    sampling, base = t1_baseline
+    fixed = base[0].token_ids  # one baseline rollout, proposed to everyone
+    exact = replay(engine, trace, FixedDraft(fixed), VerifyConfig(), sampling, WARM[-1:], N)
+    biased = replay(engine, trace, FixedDraft(fixed), VerifyConfig("ratio", 1.0), sampling, WARM[-1:], N)
+    assert min(chi2_pvalue(a, b) for a, b in zip(features(base), features(exact))) > 1e-3
+    assert min(chi2_pvalue(a, b) for a, b in zip(features(base), features(biased))) < 1e-6
+
+
+# ---------------------------------------------------------------- scores and checkpoints
+
+def hf_logprobs(checkpoint, rollouts, temperature):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float64).eval()
+    out = []
+    for r in rollouts:
+        with torch.no_grad():
+            logits = model(torch.tensor([r.prompt_token_ids + r.token_ids])).logits[0]
+        lp = torch.log_softmax(logits / (temperature or 1.0), -1)
+        P = len(r.prompt_token_ids)
+        out.append([float(lp[P - 1 + i, t]) for i, t in enumerate(r.token_ids)])
+    return out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+@pytest.mark.parametrize("name", ["baseline", "tree_cache", "prefix_reuse"])
+def test_logprobs_match_transformers(engine, trace, name, temperature):
+    make, verify = method(name)
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=trace.sampling.max_new_tokens)
+    rollouts = replay(engine, trace, make(), verify, sampling, WARM, 2)
+    ref = hf_logprobs(trace.checkpoint(WARM[-1]), rollouts, temperature)
+    for r, lp in zip(rollouts, ref):
+        assert r.logprobs == pytest.approx(lp, abs=2e-3), f"{name} T={temperature}: logprobs differ"
+
+
+def score(engine, ids):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    out = engine.llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                              use_tqdm=False)[0]
+    return [d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])]
+
+
+def test_checkpoint_swap_changes_scores_and_back(engine, trace):
+    ids = trace.prompts[trace.step(0).prompt_ids[0]] + [5, 6, 7, 8]
+    last = trace.step_numbers[-1]
+    engine.load(trace.checkpoint(0))
+    first = score(engine, ids)
+    engine.load(trace.checkpoint(last))
+    other = score(engine, ids)
+    engine.load(trace.checkpoint(0))
+    back = score(engine, ids)
+    assert max(abs(a - b) for a, b in zip(first, other)) > 1e-3
+    assert back == pytest.approx(first, abs=1e-5)
+
+
+def test_bad_checkpoints_name_the_path(engine, tmp_path):
+    with pytest.raises(CheckpointError, match=str(tmp_path / "missing")):
+        engine.load(tmp_path / "missing")
+
+
+def test_checkpoint_vllm_cannot_load_names_the_path(tmp_path):
+    from tiny_models import make_checkpoint
+    path = make_checkpoint(tmp_path / "hd16", hidden=32, heads=2)  # head_dim 16: vLLM's CPU attention refuses it
+    eng = make_engine("vllm")
+    try:
+        with pytest.raises(CheckpointError, match=str(path)):
+            eng.load(path)
+    finally:
+        eng.close()
