@@ -11,6 +11,10 @@ def make_engine(name: str, **kwargs) -> Engine:
     if name == "torch_ref":
         from .torch_ref import TorchRefEngine
         return TorchRefEngine(**kwargs)
+    if name == "sglang":
+        from .sglang import SGLangEngine, import_sglang
+        import_sglang(kwargs.get("device", "cpu"))  # fail now, with the install hint, not at load()
+        return SGLangEngine(**kwargs)
     if name == "vllm":
         from .vllm import VLLMEngine  # imports no vLLM until the engine is built
         return VLLMEngine(**kwargs)
