@@ -2,6 +2,8 @@
 
     python -m bench.benchmarks engine-vs-hf   # torch_ref vs transformers generate, batch 1 and 32
     python -m bench.benchmarks oracle         # oracle-drafter speedup, budgets 4/8/16, 256 tokens
+    python -m bench.benchmarks suffix-tree    # suffix trie append / speculate cost per token
+    python -m bench.benchmarks drafter-cost   # drafter time as a share of rollout time, default trace
 
 Each figure is the median of interleaved repeats; ratios are what matter (the machine is shared).
 """
@@ -113,6 +115,104 @@ def oracle_speedup(ckpt: Path, batches=(1, 32), budgets=(4, 8, 16), new_tokens: 
     return rows
 
 
+class TimedDrafter:
+    """Wraps a drafter and adds up the seconds spent inside its calls."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds, self.calls = inner, 0.0, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in ("begin_step", "start", "propose", "observe", "finish"):
+            return attr
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.calls += 1
+        return timed
+
+
+def drafter_cost(trace_name: str = "countdown", steps: int = 12) -> list[dict]:
+    """Replays the first ``steps`` steps with every exact method and reports the share of the
+    rollout wall time spent in the drafter (the harness must not be drafter-bound)."""
+    from pathlib import Path as _P
+    from omegaconf import OmegaConf
+    import hydra.utils
+    from .record import ensure_trace
+    from .replay import step_requests
+    from .trace import Trace
+    trace = Trace.load(ensure_trace(trace_name, tiny=trace_name.endswith("tiny")))
+    conf = _P(__file__).resolve().parent.parent / "conf" / "method"
+    sampling = trace.sampling.to_config()
+    eng = TorchRefEngine()
+    rows = []
+    for path in sorted(conf.glob("*.yaml")):
+        mcfg = OmegaConf.load(path)
+        if mcfg.verify.rule != "exact" or mcfg.get("run_ahead"):
+            continue
+        drafter = TimedDrafter(hydra.utils.instantiate(mcfg.drafter))
+        wall = 0.0
+        for step in trace.step_numbers[:steps]:
+            eng.load(trace.checkpoint(step))
+            drafter.begin_step(step)
+            t = time.perf_counter()
+            eng.rollout(step_requests(trace, step, trace.sampling.n), sampling, drafter, VerifyConfig())
+            wall += time.perf_counter() - t
+        rows.append({"method": path.stem, "rollout_s": wall, "drafter_s": drafter.seconds,
+                     "drafter_share": drafter.seconds / wall, "us_per_call": 1e6 * drafter.seconds / max(drafter.calls, 1)})
+    return rows
+
+
+def suffix_tree_cost(depths=(24, 64), prompts: int = 8, n: int = 8, length: int = 200, vocab: int = 40,
+                     visits: int = 3) -> list[dict]:
+    """The pure-Python trie as the SRT drafter drives it: ``prompts`` x ``n`` rollouts of
+    repetitive random text (phrases of a small vocabulary, as rollouts of one prompt repeat each
+    other), generated token by token in lockstep, one propose and one in-flight append per token,
+    over several visits so earlier rollouts are in the tree."""
+    import random
+    from methods.base import Rollout
+    from methods.tree_cache import TreeCacheDrafter
+    rng = random.Random(0)
+    phrases = [[rng.randrange(vocab) for _ in range(rng.randint(3, 12))] for _ in range(30)]
+
+    def text() -> list[int]:
+        s: list[int] = []
+        while len(s) < length:
+            s += phrases[rng.randrange(len(phrases))] if rng.random() < 0.8 else [rng.randrange(vocab)]
+        return s[:length]
+
+    rows = []
+    for depth in depths:
+        drafter = TreeCacheDrafter(max_depth=depth)
+        t_obs = t_prop = 0.0
+        tokens = proposals = 0
+        for visit in range(visits):
+            drafter.begin_step(visit)
+            keys = [RolloutKey(f"p{p}", i) for p in range(prompts) for i in range(n)]
+            outs = {k: text() for k in keys}
+            for k in keys:
+                drafter.start(k, [1, 2, 3])
+            for pos in range(length):
+                for k in keys:
+                    t = time.perf_counter()
+                    drafter.propose(k, outs[k][:pos], 24)
+                    t_prop += time.perf_counter() - t
+                    t = time.perf_counter()
+                    drafter.observe(k, outs[k][pos:pos + 1])
+                    t_obs += time.perf_counter() - t
+                proposals += len(keys)
+                tokens += len(keys)
+            for k in keys:
+                drafter.finish(k, Rollout(k, visit, [1, 2, 3], outs[k], [0.0] * length, "length"))
+        rows.append({"backend": "python", "depth": depth, "append_us_per_token": 1e6 * t_obs / tokens,
+                     "propose_us_per_call": 1e6 * t_prop / proposals, "nodes": drafter.stats().get("nodes")})
+    return rows
+
+
 def _print(rows: list[dict]) -> None:
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
@@ -123,10 +223,18 @@ def _print(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["engine-vs-hf", "oracle"])
+    ap.add_argument("which", choices=["engine-vs-hf", "oracle", "suffix-tree", "drafter-cost"])
+    ap.add_argument("--trace", default="countdown", help="drafter-cost: the bundled trace to replay")
+    ap.add_argument("--steps", type=int, default=12, help="drafter-cost: steps to replay")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for every contender")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
+    torch.set_num_threads(args.threads)
+    if args.which == "suffix-tree":
+        return _print(suffix_tree_cost())
+    if args.which == "drafter-cost":
+        return _print(drafter_cost(args.trace, args.steps))
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_policy(Path(tmp) / "policy")
         if args.which == "engine-vs-hf":

@@ -10,3 +10,9 @@ def tiny_trace():
     """
     from bench.record import ensure_trace
     return ensure_trace("countdown-tiny", tiny=True, progress=False)
+
+
+def pytest_configure(config):
+    """Tiny models run fastest, and deterministically, on one CPU thread."""
+    import torch
+    torch.set_num_threads(1)

@@ -56,9 +56,11 @@ class TorchRefEngine:
     name = "torch_ref"
 
     def __init__(self, device: str = "cpu", dtype: str = "float32", attn_implementation: str = "sdpa",
-                 max_batch_size: int | None = None):
+                 max_batch_size: int | None = None, threads: int | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"engine.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if threads is not None:  # process-wide: torch has one intra-op thread pool
+            torch.set_num_threads(int(threads))
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.attn_implementation = attn_implementation
