@@ -1,24 +1,36 @@
 """SGLang behind the Engine protocol, so methods can be compared on a production engine.
 
-    python -m bench.cli engine=sglang method=baseline,prefix_reuse,prefix_reuse_exact
+    python -m bench.cli engine=sglang trace=countdown_tiny 'method=[baseline,prefix_reuse,prefix_reuse_exact]'
     python -m pytest -m sglang tests/test_engine_sglang.py   (CPU: in the rig venv, rigs/sglang_cpu/)
 
 Three paths, chosen by the drafter:
-- baseline: ``engine.generate(input_ids=...)`` with return_logprob; SGLang samples.
+- baseline: ``engine.generate(input_ids=...)`` with return_logprob; SGLang samples. Each request
+  carries its rollout key as ``sampling_seed``; SGLang honours it only with
+  ``deterministic: true`` (enable_deterministic_inference, GPU attention backends), otherwise
+  its sampler runs from ``random_seed``: reproducible in distribution, not per rollout.
 - prefix reuse (a drafter that proposes its whole draft at output length 0): one scoring request
-  over prompt + draft + one filler token with ``max_new_tokens=0`` and the full-vocabulary input
-  top-logprobs from ``len(prompt)`` on, i.e. the policy's exact distribution at every draft
-  position and at the bonus position. Those rows go through ``bench.verify`` (the one verifier:
-  exact or ratio, with the suite's coupled uniforms), then SGLang continues the unfinished rows.
-  Lossless under ``exact`` (the draft region is even token-coupled with torch_ref); the cost is
-  V logprobs per draft position, fine for small vocabularies, heavy for 150k-token ones.
+  over prompt + draft + one filler token, ``max_new_tokens=0``, ``top_logprobs_num=V`` and
+  ``logprob_start_len=len(prompt)-1`` (SGLang gives no logprob for the token AT the start index,
+  so starting at len(prompt) would lose the first draft token's). That is the policy's full
+  distribution at every draft position and, via the filler, at the bonus position; the rows go
+  through ``bench.verify`` (the one verifier, exact or ratio, with the suite's coupled uniforms)
+  and SGLang samples the rest of each unfinished row. Under ``exact`` this is lossless: the
+  draft region is exact rejection sampling (accept x with probability p(x), else a sample of p
+  without x), and even token-coupled with torch_ref; the continuation is SGLang's own sampling
+  from p. Approximate only in the last bits: prefill vs decode float error, and the top-p/top-k
+  boundary conventions of bench.sampling vs SGLang's sampler (ties, mass exactly at top_p).
+  Cost: V logprobs per draft position, fine for small vocabularies, heavy for 150k-token ones.
 - any other drafter: SGLang's own NGRAM speculation (GPU only), fed with every earlier rollout
-  through its external corpus. This is the engine-native approximation of the tree methods:
-  ONE global trie across prompts (not per prompt), SGLang's drafts rather than the drafter's;
-  the drafter is still told start/observe/finish so its statistics stay meaningful.
+  (prompt + output) through its external corpus. This is the engine-native APPROXIMATION of the
+  tree methods: one global trie across prompts (not per prompt), SGLang's drafts and its tree
+  verification rather than the drafter's; the drafter is still told start/observe/finish so its
+  statistics stay meaningful, and the counters come from SGLang's per-request meta_info.
+``run_ahead`` is not supported (SGLang owns its batch).
 
-Logprobs: SGLang's output logprobs are log_softmax(logits / T) (raw under greedy), like
-torch_ref's; its input-token logprobs are raw (T = 1), so the scoring path rescales them.
+Logprobs: SGLang's output logprobs are log_softmax(logits / T) (raw under greedy), as torch_ref
+returns them; its input-token logprobs are raw (T = 1), so the scoring path rescales them from
+the full distribution. Token times: offline generate returns whole rollouts, so a rollout's
+first/last token times are when its call returned.
 """
 from __future__ import annotations
 
