@@ -22,16 +22,19 @@ class SlotKVCache:
         self.values: list[torch.Tensor] = []
         self.rows = 0
         self.view_len = 0
-        self._write_index: torch.Tensor | None = None  # [B, q] slot of each block position
+        self._write_index: torch.Tensor | None = None  # [b, q] slot of each block position
+        self._subset: torch.Tensor | None = None  # [b] rows of this forward (None = all rows)
 
     @property
     def trash_slot(self) -> int:
         return self.capacity
 
-    def set_block(self, write_index: torch.Tensor, view_len: int) -> None:
-        """Where the next forward's block goes ([B, q] slots) and how many slots it may read."""
+    def set_block(self, write_index: torch.Tensor, view_len: int, subset: torch.Tensor | None = None) -> None:
+        """Where the next forward's block goes ([b, q] slots), how many slots it may read, and
+        which rows it covers (``subset`` [b] row indices; None = every row, in order)."""
         self._write_index = write_index
         self.view_len = view_len
+        self._subset = subset
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         B, H, q, D = key_states.shape
@@ -39,11 +42,17 @@ class SlotKVCache:
             shape = (self.rows or B, H, self.capacity + 1, D)
             self.keys.append(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
             self.values.append(torch.zeros(shape, dtype=value_states.dtype, device=value_states.device))
-        index = self._write_index[:, None, :, None].expand(B, H, q, D)
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        k.scatter_(2, index, key_states)
-        v.scatter_(2, index, value_states)
-        return k[:, :, :self.view_len], v[:, :, :self.view_len]
+        if self._subset is None:
+            index = self._write_index[:, None, :, None].expand(B, H, q, D)
+            k.scatter_(2, index, key_states)
+            v.scatter_(2, index, value_states)
+            return k[:, :, :self.view_len], v[:, :, :self.view_len]
+        rows = self._subset[:, None].expand(B, q)
+        k[rows, :, self._write_index] = key_states.transpose(1, 2)  # advanced indices: [b, q, H, D]
+        v[rows, :, self._write_index] = value_states.transpose(1, 2)
+        return (k[:, :, :self.view_len].index_select(0, self._subset),
+                v[:, :, :self.view_len].index_select(0, self._subset))
 
     # transformers may ask these of any cache object; positions and masks are always explicit here
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -180,14 +180,20 @@ class TorchRefEngine:
             if d.parents is not None:
                 d.validate()
             drafts.append(d)
-        block = _Block.build(rows, drafts, cache, self.device, self.dtype)
-        cache.set_block(block.write_index, block.view_len)
-        out = self.model(**{"input_ids": block.input_ids, "position_ids": block.position_ids,
-                            "attention_mask": block.mask, self._cache_kw: cache, "use_cache": True,
-                            self._keep_kw: block.keep})
-        logits = out.logits[torch.arange(len(rows), device=self.device)[:, None], block.node_index]  # [B, K, V]
-        keys = torch.tensor([r.key64 for r in rows], dtype=torch.int64)
-        verdicts = verify_batch(logits, drafts, keys, [len(r.output) for r in rows], sampling, verify)
+        verdicts: list = [None] * len(rows)
+        for group in _forward_groups([len(r.pending) + len(d) for r, d in zip(rows, drafts)]):
+            g_rows, g_drafts = [rows[i] for i in group], [drafts[i] for i in group]
+            block = _Block.build(g_rows, g_drafts, cache, self.device, self.dtype)
+            subset = None if len(group) == len(rows) else torch.tensor(group, device=self.device)
+            cache.set_block(block.write_index, block.view_len, subset)
+            out = self.model(**{"input_ids": block.input_ids, "position_ids": block.position_ids,
+                                "attention_mask": block.mask, self._cache_kw: cache, "use_cache": True,
+                                self._keep_kw: block.keep})
+            logits = out.logits[torch.arange(len(group), device=self.device)[:, None], block.node_index]  # [b, K, V]
+            keys = torch.tensor([r.key64 for r in g_rows], dtype=torch.int64)
+            for i, v in zip(group, verify_batch(logits, g_drafts, keys, [len(r.output) for r in g_rows],
+                                                sampling, verify)):
+                verdicts[i] = v
         now = time.perf_counter() - t0
         moves = []
         for b, (row, d, v) in enumerate(zip(rows, drafts, verdicts)):
@@ -224,7 +230,7 @@ class TorchRefEngine:
                 row.finish_reason = "length"
         if moves:
             width = max(len(s) for _, s, _ in moves)
-            src = torch.tensor([[block.trash] * width] * len(rows), dtype=torch.int64)
+            src = torch.tensor([[cache.trash_slot] * width] * len(rows), dtype=torch.int64)
             dst = src.clone()
             for b, s, t in moves:
                 src[b, :len(s)] = torch.tensor(s)
@@ -303,6 +309,29 @@ class _Block:
         mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
         return cls(ids.to(device), pos.to(device), slot.to(device), mask.to(device), node_index.to(device),
                    K, view_len, trash)
+
+
+def _forward_groups(sizes: list[int], min_saving: float = 0.3, min_tokens: int = 64) -> list[list[int]]:
+    """Rows of one iteration split into one or two forward passes.
+
+    A block is padded to its longest row, so a few long drafts make every row pay for them; when
+    splitting the rows by block size at the best cut saves at least ``min_saving`` of the padded
+    tokens (and the block is big enough for a second call to pay off), two passes are run.
+    Example: sizes [1, 1, 1, 25] -> [[0, 1, 2], [3]] (28 tokens instead of 100).
+    """
+    n, longest = len(sizes), max(sizes)
+    if n < 2 or n * longest < min_tokens:
+        return [list(range(n))]
+    order = sorted(range(n), key=sizes.__getitem__)
+    ranked = [sizes[i] for i in order]
+    best, cut = n * longest, 0
+    for c in range(1, n):
+        cost = c * ranked[c - 1] + (n - c) * longest
+        if ranked[c] != ranked[c - 1] and cost < best:
+            best, cut = cost, c
+    if not cut or best > (1 - min_saving) * n * longest:
+        return [list(range(n))]
+    return [sorted(order[:cut]), sorted(order[cut:])]
 
 
 def _depths(d: Draft) -> list[int]:
