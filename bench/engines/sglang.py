@@ -136,7 +136,8 @@ class SGLangEngine:
             try:
                 self.engine = sglang.Engine(model_path=str(info.path), **self.kwargs)
             except Exception as exc:
-                raise CheckpointError(f"{info.path}: SGLang could not start on this checkpoint: {exc}") from exc
+                raise CheckpointError(f"{info.path}: SGLang could not start on this checkpoint with the engine "
+                                      f"settings {self.kwargs}: {exc}") from exc
             self._corpus_loaded = 0  # a new engine has no corpus yet
         self.info, self._arch_key = info, arch_key
 
