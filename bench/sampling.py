@@ -18,6 +18,7 @@ MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 STREAM_SAMPLE = 0  # the token sampled at a position (every rule)
 STREAM_ACCEPT = 1  # the ratio rule's independent acceptance test
+SMALL_BATCH = 32  # up to this many uniforms, the scalar reference is faster than tensor ops
 
 
 @dataclass
@@ -101,6 +102,10 @@ def uniforms(keys: torch.Tensor, positions: torch.Tensor, stream: int = STREAM_S
     keys: [B] int64 (from :func:`rollout_seed`); positions: [B, q] int64 output positions.
     Returns [B, q] float64, equal to :func:`uniform_reference` element by element.
     """
+    if positions.numel() <= SMALL_BATCH:  # a few Python ints are cheaper than ~20 tensor ops
+        ks, ps = keys.tolist(), positions.tolist()
+        return torch.tensor([[uniform_reference(k, t, stream) for t in row] for k, row in zip(ks, ps)],
+                            dtype=torch.float64)
     pos = positions.to(torch.int64)
     z = keys.to(torch.int64).to(pos.device)[:, None] ^ (pos * _signed(GOLDEN)) ^ _signed((stream * MIX2) & MASK64)
     z = _splitmix64_t(z)

@@ -121,28 +121,26 @@ def verify_batch(logits: torch.Tensor, drafts: list[Draft], keys: torch.Tensor, 
     output length of row b before this iteration (the output position sampled at local node 0).
     """
     B, K, _ = logits.shape
-    depth_rows = [node_depths(d) for d in drafts]
-    depth = torch.zeros(B, K, dtype=torch.int64)
-    for b, ds in enumerate(depth_rows):
-        depth[b, :len(ds)] = torch.tensor(ds, dtype=torch.int64)
-    positions = depth + torch.tensor(out_lens, dtype=torch.int64)[:, None]
+    positions = torch.tensor([[o + x for x in ds] + [o] * (K - len(ds))
+                              for o, ds in zip(out_lens, (node_depths(d) for d in drafts))])
     u = uniforms(keys, positions, STREAM_SAMPLE).to(logits.device)
     greedy = verify.rule == "greedy" or sampling.greedy
     if greedy:
         sampled = logits.argmax(-1)
     else:
         sampled = sample_inverse_cdf(processed_probs(logits, sampling), u)
-    scaled = scaled_logits(logits, sampling).float() if logits.dtype != torch.float64 else scaled_logits(logits, sampling)
+    scaled = scaled_logits(logits, sampling)
+    if scaled.dtype in (torch.float16, torch.bfloat16):
+        scaled = scaled.float()
     lse = torch.logsumexp(scaled, dim=-1)  # [B, K]
+    if K == 1:  # nothing drafted anywhere: plain sampling, one token per row
+        lp = (scaled[:, 0].gather(-1, sampled) - lse).tolist()
+        return [Verdict([y[0]], [0], [l[0]]) for y, l in zip(sampled.tolist(), lp)]
     sampled_l = sampled.tolist()
 
     if verify.rule == "ratio":
         accept_u = uniforms(keys, positions, STREAM_ACCEPT).tolist()
-        draft_tok = torch.zeros(B, K, dtype=torch.int64)
-        for b, d in enumerate(drafts):
-            if d.token_ids:
-                draft_tok[b, :len(d)] = torch.tensor(d.token_ids, dtype=torch.int64)
-        draft_tok = draft_tok.to(logits.device)
+        draft_tok = torch.tensor([d.token_ids + [0] * (K - len(d)) for d in drafts], device=logits.device)
         if greedy:  # the target is the one-hot argmax: p(x) is 1 or 0
             target = torch.where(draft_tok == sampled, 0.0, float("-inf"))
         else:
@@ -161,12 +159,8 @@ def verify_batch(logits: torch.Tensor, drafts: list[Draft], keys: torch.Tensor, 
 
     # logprobs of emitted tokens under the current policy: one gather for the whole batch
     width = max(len(v.emitted) for v in verdicts)
-    idx_node = torch.zeros(B, width, dtype=torch.int64)
-    idx_tok = torch.zeros(B, width, dtype=torch.int64)
-    for b, v in enumerate(verdicts):
-        idx_node[b, :len(v.path)] = torch.tensor(v.path)
-        idx_tok[b, :len(v.emitted)] = torch.tensor(v.emitted)
-    idx_node, idx_tok = idx_node.to(logits.device), idx_tok.to(logits.device)
+    idx_node = torch.tensor([v.path + [0] * (width - len(v.path)) for v in verdicts], device=logits.device)
+    idx_tok = torch.tensor([v.emitted + [0] * (width - len(v.emitted)) for v in verdicts], device=logits.device)
     rows = torch.arange(B, device=logits.device)[:, None]
     lp = (scaled[rows, idx_node, idx_tok] - lse[rows, idx_node]).tolist()
     for b, v in enumerate(verdicts):

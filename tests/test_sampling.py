@@ -17,7 +17,10 @@ def test_vectorised_uniforms_equal_python_reference():
     keys = [rollout_seed(s, st, p, i) for s, st, p, i in
             [(0, 0, "p0", 0), (7, 3, "p1", 5), (2**40, 99, "x" * 30, 7), (-1 & 0xFFFF, 1, "", 0)]]
     pos = torch.tensor([[0, 1, 2, 3, 10**6]] * len(keys))
+    big = torch.arange(100).expand(len(keys), 100)  # past SMALL_BATCH: the tensor path
     for stream in (0, 1):
+        u_big = uniforms(torch.tensor(keys), big, stream)
+        assert [[uniform_reference(k, t, stream) for t in range(100)] for k in keys] == u_big.tolist()
         u = uniforms(torch.tensor(keys), pos, stream)
         for b, k in enumerate(keys):
             for j, t in enumerate(pos[b].tolist()):

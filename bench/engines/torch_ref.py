@@ -189,7 +189,8 @@ class TorchRefEngine:
             out = self.model(**{"input_ids": block.input_ids, "position_ids": block.position_ids,
                                 "attention_mask": block.mask, self._cache_kw: cache, "use_cache": True,
                                 self._keep_kw: block.keep})
-            logits = out.logits[torch.arange(len(group), device=self.device)[:, None], block.node_index]  # [b, K, V]
+            logits = out.logits if block.keep == 1 else \
+                out.logits[torch.arange(len(group), device=self.device)[:, None], block.node_index]  # [b, K, V]
             keys = torch.tensor([r.key64 for r in g_rows], dtype=torch.int64)
             for i, v in zip(group, verify_batch(logits, g_drafts, keys, [len(r.output) for r in g_rows],
                                                 sampling, verify)):
@@ -268,47 +269,58 @@ class _Block:
     def build(cls, rows: list[_Row], drafts: list[Draft], cache: SlotKVCache, device, dtype) -> "_Block":
         B = len(rows)
         sizes = [len(r.pending) + len(d) for r, d in zip(rows, drafts)]
-        q = max(sizes)
-        K = 1 + max(len(d) for d in drafts)
+        q, K = max(sizes), 1 + max(len(d) for d in drafts)
         trash = cache.trash_slot
-        ids = torch.zeros(B, q, dtype=torch.int64)
-        pos = torch.zeros(B, q, dtype=torch.int64)
-        slot = torch.full((B, q), trash, dtype=torch.int64)
-        parent = torch.full((B, q), -1, dtype=torch.int64)  # block-local parent, -1 = none
-        node_index = torch.zeros(B, K, dtype=torch.int64)
+        if q == 1:  # plain decoding, the common case: one token per row, no padding, no tree
+            slot = torch.tensor([[r.cached] for r in rows])
+            view_len = int(slot.max()) + 1
+            allowed = torch.arange(view_len)[None, None, :] <= slot[:, :, None]
+            mask = _additive(allowed, dtype)
+            ids = torch.tensor([r.pending for r in rows])
+            return cls(*_on(device, ids, slot, slot, mask, torch.zeros(B, 1, dtype=torch.int64)), 1, view_len, trash)
         chains = all(d.parents is None for d in drafts)
-        for b, (row, d) in enumerate(zip(rows, drafts)):
-            n_p, k, s = len(row.pending), len(d), sizes[b]
-            off = q - s
-            ids[b, off:] = torch.tensor(row.pending + d.token_ids, dtype=torch.int64)
-            slot[b, off:] = torch.arange(row.cached, row.cached + s)
-            node_index[b, :k + 1] = torch.arange(K - k - 1, K)  # into the kept last K positions
+        ids, pos, slot, parent, node_index = [], [], [], [], []  # built as lists: one tensor each
+        for row, d, s in zip(rows, drafts, sizes):
+            n_p, k, off = len(row.pending), len(d), q - s
+            ids.append([0] * off + row.pending + d.token_ids)
+            slot.append([trash] * off + list(range(row.cached, row.cached + s)))
+            node_index.append(list(range(K - k - 1, K)) + [0] * (K - k - 1))  # into the kept last K positions
             if chains:
-                pos[b, off:] = torch.arange(row.cached, row.cached + s)
+                pos.append([0] * off + list(range(row.cached, row.cached + s)))
             else:
-                par = list(range(off - 1, off + n_p - 1)) + [off + n_p - 1 + p + 1 for p in d.parent_list()]
-                par[0] = -1
-                parent[b, off:] = torch.tensor(par, dtype=torch.int64)
+                par = [-1] + list(range(off, off + n_p - 1)) + [off + n_p + p for p in d.parent_list()]
+                parent.append([-1] * off + par)
                 depth = list(range(n_p)) + [n_p - 1 + x for x in _depths(d)]
-                pos[b, off:] = row.cached + torch.tensor(depth, dtype=torch.int64)
+                pos.append([0] * off + [row.cached + x for x in depth])
+        ids, pos, slot = torch.tensor(ids), torch.tensor(pos), torch.tensor(slot)
+        node_index = torch.tensor(node_index)
         view_len = int(max(r.cached + s for r, s in zip(rows, sizes)))
-        cached = torch.tensor([r.cached for r in rows], dtype=torch.int64)
         real = slot != trash  # [B, q]
-        if chains:
-            attend_block = torch.tril(torch.ones(q, q, dtype=torch.bool)).expand(B, q, q) & real[:, None, :]
+        cols = torch.arange(view_len)
+        if chains:  # slots of a row are contiguous, so a query sees every slot up to its own
+            allowed = (cols[None, None, :] <= slot[:, :, None]) & real[:, :, None]
         else:
-            attend_block = _ancestors(parent)
-        cols = torch.arange(view_len + 1)
-        allowed = (cols[None, None, :] < cached[:, None, None]) & real[:, :, None]  # [B, q, view+1]
-        # the block's own slots lie past every cached one; padding columns land in the spare last column
-        slot_in_view = torch.where(real, slot, torch.full_like(slot, view_len))
-        allowed.scatter_(2, slot_in_view[:, None, :].expand(B, q, q), attend_block & real[:, None, :])
-        allowed = allowed[..., :view_len]
+            cached = torch.tensor([r.cached for r in rows])
+            allowed = torch.cat([(cols[None, None, :] < cached[:, None, None]) & real[:, :, None],
+                                 torch.zeros(B, q, 1, dtype=torch.bool)], 2)  # [B, q, view+1]
+            # the block's own slots lie past every cached one; padding columns land in the spare last column
+            slot_in_view = torch.where(real, slot, torch.full_like(slot, view_len))
+            allowed.scatter_(2, slot_in_view[:, None, :].expand(B, q, q), _ancestors(torch.tensor(parent))
+                             & real[:, None, :])
+            allowed = allowed[..., :view_len]
         allowed[:, :, 0] |= ~real  # padding queries look at slot 0 only (never an empty softmax)
-        mask = torch.zeros(B, 1, q, view_len, dtype=dtype)
-        mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-        return cls(ids.to(device), pos.to(device), slot.to(device), mask.to(device), node_index.to(device),
-                   K, view_len, trash)
+        mask = _additive(allowed, dtype)
+        return cls(*_on(device, ids, pos, slot, mask, node_index), K, view_len, trash)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, q, L] bool -> [B, 1, q, L] additive attention mask (0 where allowed, dtype's min elsewhere)."""
+    return torch.where(allowed[:, None], torch.zeros((), dtype=dtype), torch.full((), torch.finfo(dtype).min, dtype=dtype))
+
+
+def _on(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Tensors moved to the model's device (a no-op call still costs microseconds on CPU)."""
+    return tensors if device.type == "cpu" else tuple(t.to(device) for t in tensors)
 
 
 def _forward_groups(sizes: list[int], min_saving: float = 0.3, min_tokens: int = 64) -> list[list[int]]:
