@@ -44,6 +44,7 @@ from methods.base import Draft, NullDrafter, Rollout, RolloutKey
 from methods.oracle import OracleDrafter
 from methods.suffix_tree import SuffixTrie
 
+from .drafting import DraftCounters, next_draft
 from .stats import rollout_metrics, safe_div
 from .verify import descend, node_depths
 
@@ -154,14 +155,13 @@ def uses_in_flight(drafter) -> bool:
 # ---------------------------------------------------------------- the replay loop
 
 class _Live:
-    __slots__ = ("key", "rec", "logprobs", "reward", "finish_reason", "pos", "drafts", "draft_tokens",
-                 "accepted", "per_pos", "passes")
+    __slots__ = ("key", "rec", "logprobs", "reward", "finish_reason", "pos", "counters")
 
     def __init__(self, key, rec, logprobs, reward, finish_reason):
         self.key, self.rec, self.logprobs, self.reward = key, rec, logprobs, reward
         self.finish_reason = finish_reason
-        self.pos = self.drafts = self.draft_tokens = self.accepted = self.passes = 0
-        self.per_pos: list[int] = []
+        self.pos = 0
+        self.counters = DraftCounters()
 
 
 def _step_rows(df: pd.DataFrame, max_new_tokens: int) -> list[_Live]:
@@ -201,28 +201,13 @@ def _run_step(drafter, step: int, rows: list[_Live], prompts: Mapping[str, list[
     finished: list[_Live] = []
     live = rows
     while live:
-        drafts = []
-        for r in live:
-            budget = max_new_tokens - r.pos - 1
-            d = drafter.propose(r.key, r.rec[:r.pos], budget) if budget > 0 else Draft()
-            d = d.truncated(budget)
-            if d.parents is not None:
-                d.validate()
-            drafts.append(d)
+        drafts = [next_draft(drafter, r.key, r.rec[:r.pos], max_new_tokens) for r in live]
         for r, d in zip(live, drafts):
             if r.pos < len(r.rec):
                 emitted, accepted = _accept(r.rec, r.pos, d)
             else:  # an empty recorded rollout: nothing to emit
                 emitted, accepted = [], 0
-            r.passes += 1
-            if len(d):
-                r.drafts += 1
-                r.draft_tokens += len(d)
-                r.accepted += accepted
-                if len(r.per_pos) < accepted:
-                    r.per_pos += [0] * (accepted - len(r.per_pos))
-                for i in range(accepted):
-                    r.per_pos[i] += 1
+            r.counters.record(len(d), accepted)
             r.pos += len(emitted)
             drafter.observe(r.key, emitted)
         keep = []
@@ -233,8 +218,7 @@ def _run_step(drafter, step: int, rows: list[_Live], prompts: Mapping[str, list[
             drafter.finish(r.key, Rollout(
                 key=r.key, step=step, prompt_token_ids=list(prompts.get(r.key.prompt_id, ())),
                 token_ids=list(r.rec), logprobs=list(r.logprobs), finish_reason=r.finish_reason,
-                num_drafts=r.drafts, num_draft_tokens=r.draft_tokens, num_accepted_tokens=r.accepted,
-                num_accepted_tokens_per_pos=list(r.per_pos), num_forward_passes=r.passes))
+                **r.counters.as_dict()))
             finished.append(r)
         live = keep
     return finished
@@ -277,10 +261,10 @@ def oracle_passes(rollouts_by_step: Mapping[int, pd.DataFrame], max_new_tokens: 
                 if in_flight and n > 0:
                     tries[r.key.prompt_id].extend(ids[r.key], r.rec[r.pos:r.pos + n])
                 r.pos += n
-                r.passes += 1
+                r.counters.num_forward_passes += 1
             for r in live:
                 if r.pos >= len(r.rec):
-                    passes[(step, r.key.prompt_id, r.key.sample_idx)] = r.passes
+                    passes[(step, r.key.prompt_id, r.key.sample_idx)] = r.counters.num_forward_passes
                     if not in_flight and r.rec:
                         tries[r.key.prompt_id].extend(ids[r.key], r.rec)
             live = [r for r in live if r.pos < len(r.rec)]
@@ -312,8 +296,9 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
             rows = _step_rows(rollouts_by_step[step], max_new_tokens)
             order = {r.key: i for i, r in enumerate(rows)}
             done = sorted(_run_step(drafter, step, rows, prompts, max_new_tokens), key=lambda r: order[r.key])
-            out += [(name, step, r.key.prompt_id, r.key.sample_idx, len(r.rec), r.drafts, r.draft_tokens,
-                     r.accepted, r.per_pos, r.passes,
+            out += [(name, step, r.key.prompt_id, r.key.sample_idx, len(r.rec), r.counters.num_drafts,
+                     r.counters.num_draft_tokens, r.counters.num_accepted_tokens,
+                     r.counters.num_accepted_tokens_per_pos, r.counters.num_forward_passes,
                      oracles[flag].get((step, r.key.prompt_id, r.key.sample_idx), 0), r.finish_reason, r.reward)
                     for r in done]
         frames.append(pd.DataFrame(out, columns=list(ROW_COLUMNS)))

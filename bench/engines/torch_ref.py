@@ -20,6 +20,7 @@ import torch
 
 from methods.base import Draft, Drafter, Rollout
 
+from ..drafting import DraftCounters, next_draft
 from ..sampling import SamplingConfig, rollout_seed
 from ..verify import VerifyConfig, verify_batch
 from .base import Request, RunAheadSource
@@ -40,11 +41,7 @@ class _Row:
     cached: int = 0  # valid KV slots [0, cached)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    per_pos: list[int] = field(default_factory=list)
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted: int = 0
-    passes: int = 0
+    counters: DraftCounters = field(default_factory=DraftCounters)
     first_t: float = 0.0
     last_t: float = 0.0
     finish_reason: str = ""
@@ -172,14 +169,7 @@ class TorchRefEngine:
     def _iterate(self, rows: list[_Row], cache: SlotKVCache, sampling: SamplingConfig, drafter: Drafter,
                  verify: VerifyConfig, stops: set[int], t0: float) -> None:
         """One forward pass: draft, build the ragged block, run the model, verify, commit."""
-        drafts = []
-        for row in rows:
-            budget = sampling.max_new_tokens - len(row.output) - 1
-            d = drafter.propose(row.request.key, row.output, budget) if budget > 0 else Draft()
-            d = d.truncated(budget)
-            if d.parents is not None:
-                d.validate()
-            drafts.append(d)
+        drafts = [next_draft(drafter, row.request.key, row.output, sampling.max_new_tokens) for row in rows]
         verdicts: list = [None] * len(rows)
         for group in _forward_groups([len(r.pending) + len(d) for r, d in zip(rows, drafts)]):
             g_rows, g_drafts = [rows[i] for i in group], [drafts[i] for i in group]
@@ -208,16 +198,7 @@ class TorchRefEngine:
             if cut < len(emitted) or len(emitted) > room:
                 n = min(cut, room)
                 emitted, lps = emitted[:n], lps[:n]
-            accepted = min(v.num_accepted, len(emitted))
-            row.passes += 1
-            if len(d):
-                row.drafts += 1
-                row.draft_tokens += len(d)
-                row.accepted += accepted
-                if len(row.per_pos) < accepted:
-                    row.per_pos += [0] * (accepted - len(row.per_pos))
-                for i in range(accepted):
-                    row.per_pos[i] += 1
+            row.counters.record(len(d), min(v.num_accepted, len(emitted)))
             if not row.output:
                 row.first_t = now
             row.output += emitted
@@ -242,9 +223,7 @@ class TorchRefEngine:
     def _to_rollout(row: _Row) -> Rollout:
         r = row.request
         return Rollout(key=r.key, step=r.step, prompt_token_ids=list(r.prompt_token_ids), token_ids=row.output,
-                       logprobs=row.logprobs, finish_reason=row.finish_reason, num_drafts=row.drafts,
-                       num_draft_tokens=row.draft_tokens, num_accepted_tokens=row.accepted,
-                       num_accepted_tokens_per_pos=row.per_pos, num_forward_passes=row.passes,
+                       logprobs=row.logprobs, finish_reason=row.finish_reason, **row.counters.as_dict(),
                        first_token_time=row.first_t, last_token_time=row.last_t, run_ahead=r.run_ahead)
 
 
