@@ -137,7 +137,7 @@ def test_missing_engine_names_what_to_do(tmp_path):
         run(cfg_for("engine=vllm", "method=baseline", "max_steps=1", f"results_root={tmp_path}"))
 
 
-@pytest.mark.parametrize("launcher", ["basic", "slurm_local"])
+@pytest.mark.parametrize("launcher", ["basic", "local_parallel", "slurm_local"])
 def test_multirun_sweep_of_two_methods_gives_two_runs_collect_merges(tmp_path, launcher):
     args = ["-m", "method=baseline,tree_cache", "max_steps=2", f"results_root={tmp_path / 'runs'}",
             f"hydra.sweep.dir={tmp_path / 'sweep'}"]

@@ -222,3 +222,16 @@ def test_split_forward_passes_give_the_same_tokens(engine64, monkeypatch):
         assert [r.token_ids for r in out] == [r.token_ids for r in base]
         for a, b in zip(out, base):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_token_identity_on_gpu(ckpts, name):
+    eng = TorchRefEngine(device="cuda", dtype="float64")
+    eng.load(ckpts[0])
+    reqs, sampling = requests(8), SAMPLINGS[name]
+    base = eng.rollout(reqs, sampling, Baseline(), VerifyConfig())
+    futures = {r.key: r.token_ids for r in base}
+    for drafter in (OracleDrafter(futures, 8), TreeOracle(futures, 4)):
+        out = eng.rollout(reqs, sampling, drafter, VerifyConfig())
+        assert [r.token_ids for r in out] == [r.token_ids for r in base]
