@@ -99,16 +99,15 @@ def random_draft(rng: random.Random, tree: bool, with_logprobs: bool) -> Draft:
     return Draft(toks, parents, lps)
 
 
-def generate_many(n: int, tree: bool, verify: VerifyConfig, seed: int = 0) -> dict:
-    """Run n independent rollouts of length L through the verifier with random drafts."""
+def toy_rollouts(n: int, make_draft, verify: VerifyConfig, seed: int = 0) -> list[list[int]]:
+    """n independent length-L rollouts of the toy target through the verifier, drafts from
+    ``make_draft(rng)`` at every iteration."""
     rng = random.Random(seed)
     keys = torch.tensor([rollout_seed(seed, 0, "toy", i) for i in range(n)])
     outs = [[] for _ in range(n)]
-    while True:
+    while any(len(o) < L for o in outs):
         live = [i for i in range(n) if len(outs[i]) < L]
-        if not live:
-            break
-        drafts = [random_draft(rng, tree, verify.rule == "ratio") for _ in live]
+        drafts = [make_draft(rng) for _ in live]
         K = 1 + max(len(d) for d in drafts)
         logits = torch.zeros(len(live), K, V, dtype=torch.float64)
         for b, (i, d) in enumerate(zip(live, drafts)):
@@ -117,11 +116,15 @@ def generate_many(n: int, tree: bool, verify: VerifyConfig, seed: int = 0) -> di
                 ctx.append(ctx[p + 1] + (tok,))
             for j, c in enumerate(ctx):
                 logits[b, j] = toy_logits(c)
-        verdicts = verify_batch(logits, drafts, keys[live], [len(outs[i]) for i in live], T1, verify)
-        for i, v in zip(live, verdicts):
+        for i, v in zip(live, verify_batch(logits, drafts, keys[live], [len(outs[i]) for i in live], T1, verify)):
             outs[i] = (outs[i] + v.emitted)[:L]
+    return outs
+
+
+def generate_many(n: int, tree: bool, verify: VerifyConfig, seed: int = 0) -> dict:
+    """Counts of each length-L sequence over n rollouts with random drafts."""
     counts: dict = {}
-    for o in outs:
+    for o in toy_rollouts(n, lambda rng: random_draft(rng, tree, verify.rule == "ratio"), verify, seed):
         counts[tuple(o)] = counts.get(tuple(o), 0) + 1
     return counts
 
@@ -151,27 +154,6 @@ def test_statistical_test_catches_a_wrong_rule():
 def test_exact_rule_emits_plain_sampling_tokens():
     # coupling: with the same keys, any draft gives exactly the tokens of drafting nothing
     n = 300
-    base = generate_many_tokens(n, lambda rng: Draft())
+    base = toy_rollouts(n, lambda rng: Draft(), VerifyConfig(), seed=5)
     for tree in (False, True):
-        assert generate_many_tokens(n, lambda rng: random_draft(rng, tree, False)) == base
-
-
-def generate_many_tokens(n, make_draft):
-    rng = random.Random(1)
-    keys = torch.tensor([rollout_seed(5, 2, "toy", i) for i in range(n)])
-    outs = [[] for _ in range(n)]
-    while any(len(o) < L for o in outs):
-        live = [i for i in range(n) if len(outs[i]) < L]
-        drafts = [make_draft(rng) for _ in live]
-        K = 1 + max(len(d) for d in drafts)
-        logits = torch.zeros(len(live), K, V, dtype=torch.float64)
-        for b, (i, d) in enumerate(zip(live, drafts)):
-            ctx = [tuple(outs[i])]
-            for tok, p in zip(d.token_ids, d.parent_list()):
-                ctx.append(ctx[p + 1] + (tok,))
-            for j, c in enumerate(ctx):
-                logits[b, j] = toy_logits(c)
-        for i, v in zip(live, verify_batch(logits, drafts, keys[live], [len(outs[i]) for i in live], T1,
-                                           VerifyConfig())):
-            outs[i] = (outs[i] + v.emitted)[:L]
-    return outs
+        assert toy_rollouts(n, lambda rng: random_draft(rng, tree, False), VerifyConfig(), seed=5) == base
