@@ -55,7 +55,8 @@ class RunAheadQueue:
 
 def warm_drafter(drafter: Drafter, step: int, rows: pd.DataFrame, prompts: dict[str, list[int]]) -> None:
     """Feed a drafter the rollouts it produced at a finished step (resume without the model):
-    the same start/observe/finish calls the engine made, with each rollout observed whole."""
+    the same start/observe/finish calls the engine made, with each rollout observed whole.
+    Run-ahead rollouts are not stored, so a resumed run-ahead method misses their tokens."""
     drafter.begin_step(step)
     rows = rows[~rows["run_ahead"].fillna(False).astype(bool)] if "run_ahead" in rows else rows
     keys = [RolloutKey(str(p), int(s)) for p, s in zip(rows["prompt_id"], rows["sample_idx"])]
@@ -94,7 +95,8 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
             warmed = True
         recorded = _recorded_tokens(trace, step)
         next_step = steps[i + 1] if i + 1 < len(steps) else None
-        for m in todo:
+        shift = i % len(todo)  # rotate the order so no method is always first after a checkpoint swap
+        for m in todo[shift:] + todo[:shift]:
             bar.set_postfix_str(f"step {step}: {m.name}")
             drafter = drafters[m.name]
             drafter.begin_step(step)
