@@ -78,9 +78,13 @@ def engine_vs_hf(ckpt: Path, batches=(1, 32), new_tokens: int = 128, repeats: in
 
         ours(), theirs()  # warm up
         t_ours, t_hf = [], []
-        for _ in range(repeats):  # interleaved so drift hits both alike
-            t_ours += _time(ours, 1)
-            t_hf += _time(theirs, 1)
+        for r in range(repeats):  # interleaved so drift hits both alike; who goes first alternates
+            if r % 2:
+                t_hf += _time(theirs, 1)
+                t_ours += _time(ours, 1)
+            else:
+                t_ours += _time(ours, 1)
+                t_hf += _time(theirs, 1)
         tok = batch * new_tokens
         ours_s, hf_s = statistics.median(t_ours), statistics.median(t_hf)
         pairs = sorted(h / o for h, o in zip(t_hf, t_ours))  # each pair ran back to back
