@@ -216,7 +216,33 @@ def suffix_tree_cost(depths=(24, 64), prompts: int = 8, n: int = 8, length: int 
                 drafter.finish(k, Rollout(k, visit, [1, 2, 3], outs[k], [0.0] * length, "length"))
         rows.append({"backend": "python", "depth": depth, "append_us_per_token": 1e6 * t_obs / tokens,
                      "propose_us_per_call": 1e6 * t_prop / proposals, "nodes": drafter.stats().get("nodes")})
+        rows += _native_cost(depth, prompts, n, length, visits, text)
     return rows
+
+
+def _native_cost(depth, prompts, n, length, visits, text) -> list[dict]:
+    """The same lockstep workload on arctic-inference's C++ tree (one per prompt), if installed."""
+    from methods.suffix_tree import NativeSuffixTree
+    try:
+        trees = {p: NativeSuffixTree(depth) for p in range(prompts)}
+    except ImportError:
+        return []
+    t_ext = t_spec = 0.0
+    calls = 0
+    for visit in range(visits):
+        outs = {(p, i): text() for p in range(prompts) for i in range(n)}
+        for pos in range(length):
+            for (p, i), out in outs.items():
+                seq_id = (visit * n + i)
+                t = time.perf_counter()
+                trees[p].speculate(out[max(0, pos - depth):pos], 24, 1.0, 0.0, 0.1, False)
+                t_spec += time.perf_counter() - t
+                t = time.perf_counter()
+                trees[p].extend(seq_id, out[pos:pos + 1])
+                t_ext += time.perf_counter() - t
+                calls += 1
+    return [{"backend": "native", "depth": depth, "append_us_per_token": 1e6 * t_ext / calls,
+             "propose_us_per_call": 1e6 * t_spec / calls, "nodes": None}]
 
 
 def _print(rows: list[dict]) -> None:
