@@ -1,7 +1,7 @@
 """The GPU check: one offline command for a machine with a GPU, run once per lent session.
 
     python -m bench.gpu_check --out results/gpu_check          # on the GPU machine
-    python -m bench.gpu_check --device cpu --small --out /tmp/x  # a dry run of the same steps on CPU
+    python -m bench.gpu_check --device cpu --small --out gpu_check_dry  # a dry run of the same steps on CPU
 
 It (1) runs the gpu-marked tests, (2) replays the tiny trace with baseline and every method on
 each engine importable here (torch_ref always; vLLM and SGLang when installed, else a one-line
