@@ -31,7 +31,6 @@ with prompt_id, sample_idx, token_ids and optionally prompt_token_ids, logprobs,
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -46,6 +45,7 @@ from methods.suffix_tree import SuffixTrie
 
 from .drafting import DraftCounters, next_draft
 from .stats import rollout_metrics, safe_div
+from .trace import iter_jsonl
 from .verify import descend, node_depths
 
 METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
@@ -380,14 +380,7 @@ def load_input(path: str | Path) -> tuple[dict[int, pd.DataFrame], dict[str, lis
 
 
 def _read_jsonl(path: Path) -> pd.DataFrame:
-    records = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise SimulationError(f"{path}:{lineno}: not a JSON object ({exc}); fix that line") from exc
-    return pd.DataFrame.from_records(records)
+    return pd.DataFrame.from_records([r for _, r in iter_jsonl(path, SimulationError)])
 
 
 # ---------------------------------------------------------------- CLI

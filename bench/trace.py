@@ -35,6 +35,22 @@ class TraceError(ValueError):
     """A trace that cannot be replayed as is; the message names the file and the fix."""
 
 
+def iter_jsonl(path: Path, error: type[Exception] = None):
+    """(line number, object) for every non-blank line of a jsonl file; a bad line raises
+    ``error`` (TraceError by default) naming the file and line."""
+    error = error or TraceError
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise error(f"{path}:{lineno}: not valid JSON ({exc}); fix that line") from exc
+        if not isinstance(record, dict):
+            raise error(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}; fix that line")
+        yield lineno, record
+
+
 @dataclass
 class TraceSampling:
     """The sampling the run used (replays use it unless a config overrides it)."""
@@ -151,11 +167,8 @@ class Trace:
                              f"line with prompt_id and token_ids); re-record or re-import the trace")
         prompts: dict[str, list[int]] = {}
         meta: dict[str, dict] = {}
-        for lineno, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
+        for lineno, rec in iter_jsonl(path):
             try:
-                rec = json.loads(line)
                 pid, ids = str(rec.pop("prompt_id")), [int(t) for t in rec.pop("token_ids")]
             except (ValueError, KeyError, TypeError) as exc:
                 raise TraceError(f"{path}:{lineno}: not a JSON object with prompt_id and token_ids "

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .trace import Trace, TraceError, TraceSampling, TraceWriter, checkpoint_relpath, publish_dir
+from .trace import Trace, TraceError, TraceSampling, TraceWriter, checkpoint_relpath, iter_jsonl, publish_dir
 
 STEP_PATTERNS = [re.compile(p) for p in (r"^global_step_(\d+)$", r"^checkpoint-(\d+)$", r"^step_?(\d+)$")]
 
@@ -74,14 +74,7 @@ def _read_table(path: Path) -> list[dict]:
     if path.suffix == ".parquet":
         import pandas as pd
         return pd.read_parquet(path).to_dict("records")
-    rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{path}:{lineno}: not valid JSON ({exc})") from exc
-    return rows
+    return [record for _, record in iter_jsonl(path)]
 
 
 def read_prompts(path: Path, tokenizer, add_special_tokens: bool = True) -> list[dict]:

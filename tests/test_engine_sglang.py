@@ -23,6 +23,7 @@ from bench.verify import VerifyConfig
 from methods.base import RolloutKey
 from methods.baseline import Baseline
 from methods.prefix_reuse import PrefixReuseDrafter
+from tiny_models import reference_logprobs
 
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 _skip_without = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed here (CPU: bash rigs/sglang_cpu/build.sh)")
@@ -162,12 +163,7 @@ def test_baseline_logprobs_are_temperature_scaled(sgl, trace):
     check_rollouts(out, requests, sampling)
     model = AutoModelForCausalLM.from_pretrained(str(trace.checkpoint(0)), dtype=torch.float32).eval()
     for r in out:
-        ids = torch.tensor([r.prompt_token_ids + r.token_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0] / 0.7, -1)
-        n = len(r.prompt_token_ids)
-        ref = logp[n - 1:n - 1 + len(r.token_ids)].gather(1, torch.tensor(r.token_ids)[:, None]).squeeze(1)
-        assert r.logprobs == pytest.approx(ref.tolist(), abs=1e-4)
+        assert r.logprobs == pytest.approx(reference_logprobs(model, r.prompt_token_ids, r.token_ids, 0.7), abs=1e-4)
 
 
 TARGET = 2  # the step replayed; its prompts' earlier rollouts come from checkpoint 0
@@ -202,12 +198,8 @@ def test_prefix_reuse_both_rules_complete_with_logprobs(sgl, trace):
         assert sum(r.num_draft_tokens for r in out[name]) > 0
         assert sum(r.num_accepted_tokens for r in out[name]) > 0
         for r in out[name]:  # scoring path (rescaled raw logprobs) and continuation agree with a fresh forward
-            ids = torch.tensor([r.prompt_token_ids + r.token_ids])
-            with torch.no_grad():
-                logp = torch.log_softmax(model(ids).logits[0] / 0.7, -1)
-            n = len(r.prompt_token_ids)
-            ref = logp[n - 1:n - 1 + len(r.token_ids)].gather(1, torch.tensor(r.token_ids)[:, None]).squeeze(1)
-            assert r.logprobs == pytest.approx(ref.tolist(), abs=1e-4)
+            assert r.logprobs == pytest.approx(reference_logprobs(model, r.prompt_token_ids, r.token_ids, 0.7),
+                                               abs=1e-4)
 
 
 @needs_sglang

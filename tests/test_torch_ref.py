@@ -13,7 +13,7 @@ from bench.verify import VerifyConfig
 from methods.base import Draft, NullDrafter, RolloutKey
 from methods.baseline import Baseline
 from methods.oracle import OracleDrafter
-from tiny_models import make_checkpoint
+from tiny_models import make_checkpoint, reference_logprobs
 
 SAMPLINGS = {"t1": SamplingConfig(max_new_tokens=48), "top_p": SamplingConfig(max_new_tokens=48, top_p=0.9),
              "greedy": SamplingConfig(temperature=0, max_new_tokens=48)}
@@ -86,12 +86,8 @@ def test_logprobs_equal_fresh_forward(ckpts):
     out = eng.rollout(reqs, sampling, OracleDrafter({r.key: r.token_ids for r in base}, 6), VerifyConfig())
     model = AutoModelForCausalLM.from_pretrained(str(ckpts[0]), dtype=torch.float32).eval()
     for r in out:
-        ids = torch.tensor([r.prompt_token_ids + r.token_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0] / 0.7, -1)
-        n = len(r.prompt_token_ids)
-        ref = logp[n - 1:n - 1 + len(r.token_ids)].gather(1, torch.tensor(r.token_ids)[:, None]).squeeze(1)
-        assert r.logprobs == pytest.approx(ref.tolist(), abs=1e-4)
+        ref = reference_logprobs(model, r.prompt_token_ids, r.token_ids, 0.7)
+        assert r.logprobs == pytest.approx(ref, abs=1e-4)
 
 
 def test_continuous_batching_gives_the_same_tokens(ckpts, engine64):

@@ -23,3 +23,12 @@ def make_checkpoint(out: Path, vocab: int = 40, hidden: int = 64, layers: int = 
     model.save_pretrained(str(out))
     GenerationConfig(bos_token_id=0, eos_token_id=eos, pad_token_id=2).save_pretrained(str(out))
     return out
+
+
+def reference_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / temperature) of each token of a response, from one plain forward."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0].float() / temperature, -1)
+    n = len(prompt)
+    return logp[n - 1:n - 1 + len(tokens)].gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
