@@ -4,6 +4,7 @@
     python -m bench.benchmarks oracle         # oracle-drafter speedup, budgets 4/8/16, 256 tokens
     python -m bench.benchmarks suffix-tree    # suffix trie append / speculate cost per token
     python -m bench.benchmarks drafter-cost   # drafter time as a share of rollout time, default trace
+    python -m bench.benchmarks near-ties      # CDF shift, batched/tree vs one-token forward, per dtype
 
 Each figure is the median of interleaved repeats; a ratio is the median of back-to-back pairs
 (min and max beside it), which holds when the machine's speed drifts.
@@ -18,25 +19,30 @@ from pathlib import Path
 
 import torch
 
-from methods.base import RolloutKey
+from methods.base import Draft, RolloutKey
 from methods.baseline import Baseline
 from methods.oracle import OracleDrafter
 
 from .engines.base import Request
 from .engines.torch_ref import TorchRefEngine
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, rollout_seed
 from .verify import VerifyConfig
 
 
-def tiny_policy(out: Path, vocab: int = 64, hidden: int = 128, layers: int = 4, heads: int = 2) -> Path:
+def tiny_policy(out: Path, vocab: int = 64, hidden: int = 128, layers: int = 4, heads: int = 2,
+                scale: float = 1.0) -> Path:
     """A random-init Llama of REFERENCE.md's size (about 1M parameters) with no EOS token, so
-    every rollout runs to max_new_tokens and both engines do the same work."""
+    every rollout runs to max_new_tokens and both engines do the same work; ``scale`` multiplies
+    the output layer (sharper next-token distributions)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                       max_position_embeddings=1024, bos_token_id=0, eos_token_id=None, pad_token_id=0)
-    LlamaForCausalLM(cfg).save_pretrained(str(out))
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    model.save_pretrained(str(out))
     GenerationConfig(bos_token_id=0, pad_token_id=0).save_pretrained(str(out))
     return out
 
@@ -245,6 +251,105 @@ def _native_cost(depth, prompts, n, length, visits, text) -> list[dict]:
              "propose_us_per_call": 1e6 * t_spec / calls, "nodes": None}]
 
 
+class _OracleTree(OracleDrafter):
+    """The oracle chain with a sibling of every chain node (a token the oracle did not draft), so
+    the forward is tree-shaped while the chain nodes still sit on the baseline's own contexts."""
+
+    def propose(self, key, output, budget):
+        chain = super().propose(key, output, max(budget // 2, 1))
+        if not chain.token_ids:
+            return chain
+        n = len(chain.token_ids)
+        vocab = 1 + max(max(v) for v in self.futures.values() if v)
+        siblings = [(t * 31 + 7) % vocab for t in chain.token_ids]
+        return Draft(chain.token_ids + siblings, list(range(-1, n - 1)) + list(range(-1, n - 1)))
+
+
+def near_tie_shift(dtypes=("float64", "float32", "bfloat16", "float16"), vocab: int = 2048, hidden: int = 64,
+                   layers: int = 2, scale: float = 1.0, top_p: float = 1.0, batch: int = 16, new_tokens: int = 64,
+                   budget: int = 16, device: str = "cpu") -> list[dict]:
+    """How far a batched chain or tree forward moves the sampling CDF from the baseline's one-token
+    forward, per engine dtype, on a random-init policy (``tiny_policy``: no EOS, near-flat
+    distributions over ``vocab`` tokens, the worst case for ties).
+
+    The baseline runs first; an oracle drafter (chain, or chain plus a sibling per node) then
+    drafts the baseline's own tokens, so every chain node of every verified draft sees exactly the
+    context the baseline saw at that output position. For each such (slot, position) the shift is
+    max over the vocabulary of |CDF_drafted - CDF_baseline| of the normalised processed
+    distribution (``bench.sampling``), in probability mass: a token can flip only when its uniform
+    lies within that shift of a boundary. Reported per dtype and draft shape: median, 99th
+    percentile and max shift, with the identity rate and the ``bench.precision`` classification
+    of the drafted run against the baseline, and the largest margin (either run) at a divergence
+    (a flip needs both margins within the shift); ``bfloat16-logits`` repeats bfloat16 with the output
+    layer in bf16 (what the engine did before it computed logits in fp32). bench.precision's
+    thresholds are about 10x the largest shift measured here, rounded up to a power of ten.
+    """
+    import bench.engines.torch_ref as tr
+    from . import precision
+    from .sampling import processed_probs
+    sampling = SamplingConfig(max_new_tokens=new_tokens, top_p=top_p)
+    reqs = [Request(RolloutKey(f"p{i}", 0), [1 + (i * 7 + j) % (vocab - 1) for j in range(16)]) for i in range(batch)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = tiny_policy(Path(tmp) / "policy", vocab=vocab, hidden=hidden, layers=layers, heads=max(2, hidden // 64),
+                           scale=scale)
+        for name in list(dtypes) + (["bfloat16-logits"] if "bfloat16" in dtypes else []):
+            eng = TorchRefEngine(device=device, dtype=name.removesuffix("-logits"))
+            if name.endswith("-logits"):
+                eng._fp32_head = lambda: None
+            eng.load(ckpt)
+            seen: dict = {}
+            shifts: list[float] = []
+            real_verify = tr.verify_batch
+            slot = {rollout_seed(sampling.seed, r.step, r.key.prompt_id, r.key.sample_idx): r.key for r in reqs}
+            live: list = [None]  # the oracle being measured: its nodes are comparable while it agrees
+
+            def recording(logits, drafts, keys, out_lens, samp, verify, record):
+                cdf = torch.cumsum(processed_probs(logits.float() if logits.dtype != torch.float64 else logits, samp), -1)
+                cdf = cdf / cdf[..., -1:]
+                for b, (d, key, o) in enumerate(zip(drafts, keys.tolist(), out_lens)):
+                    if not record and live[0]._agrees.get(slot[key]) != o:
+                        continue  # this rollout left the baseline's path: other contexts
+                    parents = d.parent_list()
+                    chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
+                    for j in range(chain + 1):  # local node j sits at output position o + j
+                        if record:
+                            seen[(key, o + j)] = cdf[b, j].clone()
+                        elif (key, o + j) in seen:
+                            shifts.append(float((cdf[b, j] - seen[(key, o + j)]).abs().max()))
+                return real_verify(logits, drafts, keys, out_lens, samp, verify)
+
+            try:
+                tr.verify_batch = lambda *a: recording(*a, record=True)
+                base = eng.rollout(reqs, sampling, Baseline(), VerifyConfig())
+                futures = {r.key: r.token_ids for r in base}
+                for shape, drafter in (("chain", OracleDrafter(futures, budget)),
+                                       ("tree", _OracleTree(futures, budget))):
+                    shifts.clear()
+                    live[0] = drafter
+                    tr.verify_batch = lambda *a: recording(*a, record=False)
+                    out = eng.rollout(reqs, sampling, drafter, VerifyConfig())
+                    thr = precision.near_tie_threshold(name.removesuffix("-logits"))
+                    kinds, tie_margins = [], [0.0]
+                    for r, b in zip(out, base):
+                        kind, t = precision.classify(r.token_ids, r.margins, b.token_ids, b.margins, thr)
+                        kinds.append(kind)
+                        if kind != "identical":
+                            tie_margins.append(max(abs(r.margins[t]), abs(b.margins[t])))
+                    sh = torch.tensor(shifts, dtype=torch.float64)
+                    rows.append({"vocab": vocab, "hidden": hidden, "layers": layers, "scale": scale, "top_p": top_p,
+                                 "dtype": name, "shape": shape, "positions": len(shifts),
+                                 "shift_median": float(sh.median()), "shift_p99": float(sh.quantile(0.99)),
+                                 "shift_max": float(sh.max()), "threshold": thr,
+                                 "identity_rate": kinds.count("identical") / len(kinds),
+                                 "near_ties": kinds.count("near_tie"),
+                                 "rule_divergences": kinds.count("rule_divergence"),
+                                 "divergence_margin_max": max(tie_margins)})
+            finally:
+                tr.verify_batch = real_verify
+    return rows
+
+
 def _print(rows: list[dict]) -> None:
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
@@ -255,11 +360,17 @@ def _print(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["engine-vs-hf", "oracle", "suffix-tree", "drafter-cost"])
+    ap.add_argument("which", choices=["engine-vs-hf", "oracle", "suffix-tree", "drafter-cost", "near-ties"])
     ap.add_argument("--trace", default="countdown", help="drafter-cost: the bundled trace to replay")
     ap.add_argument("--steps", type=int, default=12, help="drafter-cost: steps to replay")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for every contender")
+    ap.add_argument("--vocab", type=int, default=2048, help="near-ties: policy vocabulary")
+    ap.add_argument("--hidden", type=int, default=64, help="near-ties: hidden size")
+    ap.add_argument("--layers", type=int, default=2, help="near-ties: decoder layers")
+    ap.add_argument("--scale", type=float, default=1.0, help="near-ties: output-layer scale (sharper policy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="near-ties: sampling top_p")
+    ap.add_argument("--device", default="cpu", help="near-ties: torch device (cuda on a GPU machine)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
@@ -267,6 +378,9 @@ def main(argv=None) -> None:
         return _print(suffix_tree_cost())
     if args.which == "drafter-cost":
         return _print(drafter_cost(args.trace, args.steps))
+    if args.which == "near-ties":
+        return _print(near_tie_shift(vocab=args.vocab, hidden=args.hidden, layers=args.layers, scale=args.scale,
+                                     top_p=args.top_p, device=args.device))
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_policy(Path(tmp) / "policy")
         if args.which == "engine-vs-hf":

@@ -45,6 +45,7 @@ ROLLOUT_SCHEMA: dict[str, pa.DataType] = {
     "num_accepted_tokens": pa.int64(), "num_accepted_tokens_per_pos": pa.list_(pa.int64()),
     "num_forward_passes": pa.int64(), "first_token_s": pa.float64(), "last_token_s": pa.float64(),
     "run_ahead": pa.bool_(), "reward": pa.float64(), "matches_recorded": pa.bool_(),
+    "margins": pa.list_(pa.float64()),
 }
 STEP_SCHEMA: dict[str, pa.DataType] = {
     "run_id": pa.string(), "trace": pa.string(), "engine": pa.string(), "method": pa.string(),
@@ -81,6 +82,7 @@ def rollout_row(rollout: Rollout, **extra: Any) -> dict:
         "num_forward_passes": rollout.num_forward_passes,
         "first_token_s": rollout.first_token_time, "last_token_s": rollout.last_token_time,
         "run_ahead": rollout.run_ahead, "reward": None, "matches_recorded": None,
+        "margins": [float(x) for x in rollout.margins],
     }
     row.update(extra)
     return row

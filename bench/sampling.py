@@ -126,26 +126,51 @@ def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     every token tied with the k-th largest; top-p keeps the smallest prefix (by descending
     probability, stable on ties) whose mass reaches top_p.
     """
+    return processed_probs_and_cut_margin(logits, cfg)[0]
+
+
+def processed_probs_and_cut_margin(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`processed_probs` and, per position, how close its top-k/top-p cut is to flipping.
+
+    The cut margin [...] float64 is in probability mass before the cut: top-k, the softmax gap
+    between the k-th and (k+1)-th largest tokens; top-p, min over the descending order of
+    |mass before the token - top_p| (a token enters or leaves the nucleus when that crosses 0).
+    +inf when neither cut is on (and under greedy, whose tie is the top-1/top-2 gap instead).
+    A cut that flips between two forward passes renormalises the whole distribution, so a
+    token's CDF margin (``bench.verify``) is capped by this margin (``bench.precision``).
+    """
+    inf = torch.full(logits.shape[:-1], float("inf"), dtype=torch.float64, device=logits.device)
     if cfg.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float64)
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float64), inf
     x = scaled_logits(logits, cfg).to(torch.float64)
+    cut = inf
     if 0 < cfg.top_k < x.shape[-1]:
-        kth = torch.topk(x, cfg.top_k, dim=-1).values[..., -1:]
+        top = torch.topk(x, cfg.top_k + 1, dim=-1).values
+        kth = top[..., -2:-1]
+        lse = torch.logsumexp(x, dim=-1)
+        cut = torch.exp(top[..., -2] - lse) - torch.exp(top[..., -1] - lse)
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if cfg.top_p < 1.0:
         sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
         drop_sorted = mass_before >= cfg.top_p
+        gap = (mass_before - cfg.top_p).abs().masked_fill(sorted_p == 0, float("inf")).amin(-1)
+        cut = torch.minimum(cut, gap)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    return probs, cut
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Token whose CDF interval holds u: probs [..., V], u [...] in (0,1) -> int64 [...]."""
-    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    return sample_from_cdf(torch.cumsum(probs.to(torch.float64), dim=-1), u)
+
+
+def sample_from_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`sample_inverse_cdf` on a cumulative sum cdf [..., V] (unnormalised) already computed:
+    the first token y with u * cdf[-1] < cdf[y]."""
     target = (u.to(torch.float64) * cdf[..., -1]).unsqueeze(-1)
     idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return idx.clamp_(max=probs.shape[-1] - 1)
+    return idx.clamp_(max=cdf.shape[-1] - 1)

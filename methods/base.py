@@ -75,6 +75,9 @@ class Rollout:
 
     ``logprobs[i]`` is the current policy's logprob of ``token_ids[i]`` (log-softmax of the
     logits divided by the sampling temperature; raw logits under greedy decoding).
+    ``margins[i]`` is the signed margin of ``token_ids[i]``'s coupled uniform to its CDF interval,
+    in probability mass (``bench.verify.token_margins``; empty where the engine does not record
+    them): ``bench.precision`` tells low-precision near-ties from rule divergences with it.
     """
 
     key: RolloutKey
@@ -91,6 +94,7 @@ class Rollout:
     first_token_time: float = 0.0  # seconds since the rollout call started
     last_token_time: float = 0.0
     run_ahead: bool = False  # generated only to feed drafter caches (never used for training)
+    margins: list[float] = field(default_factory=list)
 
 
 @runtime_checkable

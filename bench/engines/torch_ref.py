@@ -22,7 +22,7 @@ from methods.base import Draft, Drafter, Rollout
 
 from ..drafting import DraftCounters, next_draft
 from ..sampling import SamplingConfig, rollout_seed
-from ..verify import VerifyConfig, verify_batch
+from ..verify import VerifyConfig, check_rule, verify_batch
 from .base import Request, RunAheadSource
 from .checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
 from .kv_slots import SlotKVCache
@@ -41,6 +41,7 @@ class _Row:
     cached: int = 0  # valid KV slots [0, cached)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)  # signed margin of each output token (bench.verify)
     counters: DraftCounters = field(default_factory=DraftCounters)
     first_t: float = 0.0
     last_t: float = 0.0
@@ -95,7 +96,20 @@ class TorchRefEngine:
             fwd = inspect.signature(self.model.forward).parameters
             self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
             self._keep_kw = "logits_to_keep" if "logits_to_keep" in fwd else "num_logits_to_keep"
+        self._fp32_head()
         self.info, self._arch_key = info, arch_key
+
+    def _fp32_head(self) -> None:
+        """In fp16/bf16, compute the output layer in fp32 (an fp32 copy of its weight, refreshed at
+        every load): logits rounded to bf16 (8 mantissa bits) would make near-ties between a
+        batched and a one-token forward far more common. Sampling reads fp32 logits whatever the
+        model dtype (DESIGN.md section 1); costs vocab x hidden x 4 bytes of memory."""
+        head = self.model.get_output_embeddings()
+        if self.dtype not in (torch.float16, torch.bfloat16) or not isinstance(head, torch.nn.Linear):
+            return
+        weight = head.weight.detach().float()
+        bias = None if head.bias is None else head.bias.detach().float()
+        head.forward = lambda x: torch.nn.functional.linear(x.float(), weight, bias)
 
     def _is_tied(self, name: str) -> bool:
         return name.startswith("lm_head") and bool(getattr(self.model.config, "tie_word_embeddings", False))
@@ -108,6 +122,7 @@ class TorchRefEngine:
                 verify: VerifyConfig, run_ahead: RunAheadSource | None = None) -> list[Rollout]:
         if self.model is None or self.info is None:
             raise RuntimeError("TorchRefEngine.rollout called before load(checkpoint)")
+        check_rule(verify, sampling)
         if not requests:
             return []
         stops = set(self.info.eos_token_ids) | set(sampling.stop_token_ids)
@@ -192,17 +207,18 @@ class TorchRefEngine:
             if any(p != i for i, p in enumerate(v.path)):
                 moves.append((b, [root_slot + p for p in v.path], [root_slot + i for i in range(len(v.path))]))
             row.cached = root_slot + len(v.path)
-            emitted, lps = v.emitted, v.logprobs
+            emitted, lps, mgs = v.emitted, v.logprobs, v.margins
             room = sampling.max_new_tokens - len(row.output)
             cut = next((i + 1 for i, t in enumerate(emitted) if t in stops), len(emitted))
             if cut < len(emitted) or len(emitted) > room:
                 n = min(cut, room)
-                emitted, lps = emitted[:n], lps[:n]
+                emitted, lps, mgs = emitted[:n], lps[:n], mgs[:n]
             row.counters.record(len(d), min(v.num_accepted, len(emitted)))
             if not row.output:
                 row.first_t = now
             row.output += emitted
             row.logprobs += lps
+            row.margins += mgs
             row.last_t = now
             row.pending = [emitted[-1]]
             drafter.observe(row.request.key, emitted)
@@ -223,7 +239,7 @@ class TorchRefEngine:
     def _to_rollout(row: _Row) -> Rollout:
         r = row.request
         return Rollout(key=r.key, step=r.step, prompt_token_ids=list(r.prompt_token_ids), token_ids=row.output,
-                       logprobs=row.logprobs, finish_reason=row.finish_reason, **row.counters.as_dict(),
+                       logprobs=row.logprobs, margins=row.margins, finish_reason=row.finish_reason, **row.counters.as_dict(),
                        first_token_time=row.first_t, last_token_time=row.last_t, run_ahead=r.run_ahead)
 
 
