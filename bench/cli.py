@@ -3,6 +3,10 @@
     python -m bench.cli                                  # the main job (conf/bench.yaml)
     python -m bench.cli trace=countdown_tiny method=tree_cache engine.dtype=float64
     python -m bench.cli -m 'method=glob(*)'              # one run per method (Hydra multirun)
+
+The whole config is checked before anything is written (:func:`prepare`): a bad value ends the
+command with one line naming it and the fix (exit status 2; ``SPECROLLOUT_DEBUG=1`` shows the
+traceback), and no run folder is created or changed.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from . import verify as _verify
+from .errors import UserError, debug_enabled, exit_on_user_error, one_line
 from .replay import MethodSpec, replay
 from .verify import VerifyConfig
 
@@ -59,15 +65,204 @@ def run_id_for(config: dict) -> str:
     return f"{config['trace']['name']}-{config['engine']['name']}-{label}-{digest}"
 
 
+def _group_options() -> dict[str, set[str]]:
+    """{config group: its options} of conf/ (Hydra's own groups left out)."""
+    root = Path(CONF_DIR)
+    return {d.name: {f.stem for f in d.glob("*.yaml")} for d in root.iterdir()
+            if d.is_dir() and d.name != "hydra"}
+
+
+def check_overrides(args: list[str]) -> None:
+    """Refuse a config-group option that does not exist (``method=nope``) with one line, before
+    Hydra composes the config (its own message spans a screen). Anything this cannot parse, and
+    any command that adds config search paths, is left to Hydra."""
+    if any(a.startswith(("--config-dir", "-cd", "hydra.searchpath", "+hydra.searchpath")) for a in args):
+        return
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    groups = _group_options()
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_overrides([arg])[0]
+        except Exception:  # Hydra reports its own syntax errors
+            continue
+        group = override.key_or_group
+        if group not in groups or override.is_delete() or override.package:
+            continue
+        value = override.value()
+        names = value.list if isinstance(value, ChoiceSweep) else value
+        flat, todo = [], [names]
+        while todo:
+            item = todo.pop()
+            if isinstance(item, (list, tuple)):
+                todo.extend(item)
+            elif isinstance(item, str):
+                flat.append(item)
+        unknown = sorted(set(flat) - groups[group])
+        if unknown:
+            raise UserError(f"{arg}: no {group} named {', '.join(map(repr, unknown))}; choose from "
+                            f"{', '.join(sorted(groups[group]))} (conf/{group}/)")
+
+
+def _type_ok(value, hint) -> bool:
+    """Whether a config value fits a constructor's simple annotation (unknown kinds pass)."""
+    import types
+    import typing
+    if hint is typing.Any:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def _check_knob_types(name: str, drafter_cfg: dict) -> None:
+    import typing
+    try:
+        target = hydra.utils.get_object(drafter_cfg["_target_"])
+        hints = typing.get_type_hints(target.__init__ if isinstance(target, type) else target)
+    except Exception:  # no usable annotations: the constructor's own checks are all there is
+        return
+    for key, value in drafter_cfg.items():
+        if key.startswith("_") or key not in hints:
+            continue
+        if not _type_ok(value, hints[key]):
+            hint = getattr(hints[key], "__name__", None) or str(hints[key]).replace("typing.", "")
+            raise UserError(f"method.{name}.drafter.{key}={value!r} must be {hint}; see "
+                            f"conf/method/{name}.yaml for its default")
+
+
+def _check_methods(cfg: DictConfig) -> list[tuple[str, VerifyConfig]]:
+    """Every selected method: a drafter that can be built with its knobs, a valid verify rule."""
+    if not cfg.get("method"):
+        raise UserError("no method selected: add method=NAME or method=[NAME,...] (conf/method/)")
+    out = []
+    for name, mcfg in cfg.method.items():
+        if not isinstance(mcfg, DictConfig) or "_target_" not in (mcfg.get("drafter") or {}):
+            raise UserError(f"method.{name} has no drafter: select a method with method={name} "
+                            f"(one of conf/method/), not by setting method.{name}.* keys alone")
+        verify = OmegaConf.to_container(mcfg.get("verify") or {}, resolve=True)
+        try:
+            out.append((name, VerifyConfig(**verify)))
+        except TypeError as exc:
+            raise UserError(f"method.{name}.verify: {exc}; its keys are rule and lenience") from exc
+        except ValueError as exc:
+            raise UserError(f"method.{name}.{exc}") from exc
+        drafter = OmegaConf.to_container(mcfg.drafter, resolve=True)
+        _check_knob_types(name, drafter)
+        try:
+            hydra.utils.instantiate(mcfg.drafter)
+        except Exception as exc:  # hydra wraps the constructor's error; show that one
+            cause = exc.__cause__ or exc
+            raise UserError(f"method.{name}.drafter cannot be built: {type(cause).__name__}: "
+                            f"{one_line(cause)}; check its knobs (conf/method/{name}.yaml)") from exc
+    return out
+
+
+def _check_sampling(values: dict, verifies: list[tuple[str, VerifyConfig]]):
+    from dataclasses import fields
+    from .sampling import SamplingConfig
+    known = [f.name for f in fields(SamplingConfig)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise UserError(f"sampling has no key {', '.join(unknown)}; its keys are {', '.join(known)}")
+    try:
+        sampling = SamplingConfig(**values)
+    except ValueError as exc:
+        raise UserError(f"{exc}; fix it on the command line or in conf/sampling/") from exc
+    except TypeError as exc:
+        raise UserError(f"sampling values must be numbers ({exc}): got {values}") from exc
+    check_rule = getattr(_verify, "check_rule", None)
+    for name, verify in verifies:
+        try:
+            if check_rule is not None:
+                check_rule(verify, sampling)
+            elif verify.rule == "greedy" and not sampling.greedy:
+                raise ValueError(f"verify.rule=greedy decodes argmax, but sampling.temperature="
+                                 f"{sampling.temperature} samples: set sampling.temperature=0 "
+                                 f"(sampling=greedy) or use verify.rule=exact")
+        except ValueError as exc:
+            raise UserError(f"method {name}: {exc}") from exc
+    return sampling
+
+
+def _check_steps(cfg: DictConfig, trace) -> list[int]:
+    max_steps = cfg.get("max_steps")
+    if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool)
+                                  or max_steps < 1):
+        raise UserError(f"max_steps={max_steps!r} must be a whole number >= 1 (or null: every step)")
+    steps = cfg.get("steps")
+    if steps is None:
+        steps = list(trace.step_numbers)
+    else:
+        steps = list(steps) if OmegaConf.is_list(steps) or isinstance(steps, (list, tuple)) else [steps]
+        bad = [s for s in steps if not isinstance(s, int) or isinstance(s, bool)]
+        missing = [s for s in steps if s not in trace.step_numbers]
+        if bad or missing or not steps:
+            raise UserError(f"steps={list(steps)}: trace {trace.name!r} has steps "
+                            f"{trace.step_numbers}; give a list of those (steps=[0,1]) or "
+                            f"steps=null for all")
+    return steps[:max_steps] if max_steps is not None else steps
+
+
+def _make_engine(name: str, settings: dict):
+    from .engines import ENGINE_EXTRAS, make_engine
+    if name not in ENGINE_EXTRAS:
+        raise UserError(f"engine.name={name!r} is not an engine; choose one of "
+                        f"{', '.join(sorted(ENGINE_EXTRAS))} (engine=NAME, conf/engine/)")
+    try:
+        engine = make_engine(name, **settings)
+    except UserError:
+        raise
+    except TypeError as exc:
+        raise UserError(f"engine={name}: {exc}; its settings are listed in conf/engine/{name}.yaml") from exc
+    except (ValueError, RuntimeError, NotImplementedError) as exc:
+        raise UserError(f"engine={name}: {one_line(exc)} (settings: conf/engine/{name}.yaml)") from exc
+    device = getattr(engine, "device", None)
+    if getattr(device, "type", device) == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise UserError(f"engine.device={settings.get('device')} but no CUDA device is visible "
+                            f"here; use engine.device=cpu or run on a GPU machine")
+    return engine
+
+
+def prepare(cfg: DictConfig):
+    """Check the whole config, cheapest first, before anything is written: (trace, sampling
+    values, steps, engine). Raises UserError naming the bad value and the fix."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise UserError(f"{', '.join(missing)} must be set (it is ??? in the config), e.g. "
+                        f"{missing[0]}=VALUE on the command line")
+    verifies = _check_methods(cfg)
+    trace = load_trace(cfg)
+    values = resolve_sampling(cfg, trace)
+    _check_sampling(values, verifies)
+    steps = _check_steps(cfg, trace)
+    settings = OmegaConf.to_container(cfg.engine, resolve=True)
+    engine = _make_engine(settings.pop("name", None), settings)
+    return trace, values, steps, engine
+
+
 def run(cfg: DictConfig) -> Path:
     """Replay per the config; returns the run folder."""
     from .collect import collect, report
-    from .engines import make_engine
-    from .results import RunWriter, load_run
+    from .results import RunWriter, check_parts
     from .sampling import SamplingConfig
 
-    trace = load_trace(cfg)
-    sampling = resolve_sampling(cfg, trace)
+    trace, sampling, steps, engine = prepare(cfg)  # every check, before any run folder is touched
     config = OmegaConf.to_container(cfg, resolve=True)
     config["sampling"] = sampling
     config["trace"]["name"] = trace.name
@@ -75,21 +270,14 @@ def run(cfg: DictConfig) -> Path:
     run_id = cfg.run_id or run_id_for(config)
     root = Path(hydra.utils.to_absolute_path(cfg.results_root))
     run_dir = root / run_id
-    engine_kw = {k: v for k, v in config["engine"].items() if k != "name"}
-    engine = make_engine(cfg.engine.name, **engine_kw)
-    steps = list(cfg.steps) if cfg.steps is not None else trace.step_numbers
-    if cfg.max_steps is not None:
-        steps = steps[:int(cfg.max_steps)]
-    writer = RunWriter(run_dir, config, {"trace_dir": str(trace.root), "engine": cfg.engine.name})
+    check_parts(run_dir)  # a corrupt part of a run being resumed: say so before reopening it
+    writer = RunWriter(run_dir, config, {"trace_dir": str(trace.root), "engine": cfg.engine.name},
+                       not_identity=NOT_IDENTITY)
     print(f"run {run_id}: {len(steps)} steps x {len(cfg.method)} methods on {cfg.engine.name}; "
           f"results in {run_dir}", file=sys.stderr)
-    finished = None
-    if writer.done_units():
-        _, _, done_rows, _ = load_run(run_dir)
-        finished = lambda step, method: done_rows[(done_rows["step"] == step) & (done_rows["method"] == method)]
     replay(trace, engine, method_specs(cfg), SamplingConfig(**sampling), writer, steps,
            labels={"run_id": writer.run_id, "trace": trace.name, "engine": cfg.engine.name},
-           progress=bool(cfg.progress), finished_rows=finished)
+           progress=bool(cfg.progress))
     engine.close()
     sources = [run_dir] if "baseline" in cfg.method else [root]
     col = collect(sources, progress=False)
@@ -105,10 +293,20 @@ def run(cfg: DictConfig) -> Path:
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="bench")
 def _hydra_main(cfg: DictConfig) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    run(cfg)
+    try:
+        run(cfg)
+    except UserError as exc:  # one line and exit status 2 (SystemExit passes through Hydra)
+        exit_on_user_error(exc)
 
 
 def main() -> None:
+    """The entry point: user errors print as one line (``SPECROLLOUT_DEBUG=1``: tracebacks)."""
+    if debug_enabled():
+        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        check_overrides(sys.argv[1:])
+    except UserError as exc:
+        exit_on_user_error(exc)
     _hydra_main()
 
 

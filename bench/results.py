@@ -8,11 +8,14 @@ Layout of ``<root>/<run-id>/`` (schemas in ``results/README.md``)::
     summary.json                     versions, git sha, engine, hardware, start/end, status
     rollouts.parquet/step_00003__tree_cache.parquet   one part per finished (step, method)
     steps.parquet/step_00003__tree_cache.parquet
+    drafters/step_00003__tree_cache.pkl   the method's drafter state after that unit (latest only)
 
-A unit is committed by writing its rollouts part, then its steps part, each as a hidden temp file
-renamed into place with ``os.replace``. The steps part is the commit marker: a unit whose steps
-part is missing is not done, its rollouts part (if any) is ignored on load and overwritten on
-resume, so nothing is lost or counted twice. Hidden temp files (``.tmp-*``) are skipped by
+A unit is committed by writing its rollouts part, then its drafter snapshot, then its steps part,
+each as a hidden temp file renamed into place with ``os.replace``. The steps part is the commit
+marker: a unit whose steps part is missing is not done, its rollouts part and snapshot (if any)
+are ignored on load and overwritten on resume, so nothing is lost or counted twice. A resumed
+method starts from the snapshot of its last committed unit, so its drafts (and every counter)
+are those of an uninterrupted run: the state is the one the run had, not a rebuild of it. Hidden temp files (``.tmp-*``) are skipped by
 ``pd.read_parquet(<dir>)`` and removed when a writer reopens the folder.
 """
 from __future__ import annotations
@@ -26,7 +29,7 @@ import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 from urllib.parse import quote, unquote
 
 import pandas as pd
@@ -36,6 +39,8 @@ import yaml
 
 from methods.base import Rollout
 
+from .errors import UserError
+
 ROLLOUT_SCHEMA: dict[str, pa.DataType] = {
     "run_id": pa.string(), "trace": pa.string(), "engine": pa.string(), "method": pa.string(),
     "step": pa.int64(), "prompt_id": pa.string(), "sample_idx": pa.int64(),
@@ -44,7 +49,7 @@ ROLLOUT_SCHEMA: dict[str, pa.DataType] = {
     "finish_reason": pa.string(), "num_drafts": pa.int64(), "num_draft_tokens": pa.int64(),
     "num_accepted_tokens": pa.int64(), "num_accepted_tokens_per_pos": pa.list_(pa.int64()),
     "num_forward_passes": pa.int64(), "first_token_s": pa.float64(), "last_token_s": pa.float64(),
-    "run_ahead": pa.bool_(), "reward": pa.float64(), "matches_recorded": pa.bool_(),
+    "run_ahead": pa.bool_(), "anticipates_step": pa.int64(), "reward": pa.float64(), "matches_recorded": pa.bool_(),
     "margins": pa.list_(pa.float64()),
 }
 STEP_SCHEMA: dict[str, pa.DataType] = {
@@ -56,15 +61,15 @@ STEP_SCHEMA: dict[str, pa.DataType] = {
     "cache_entries": pa.int64(), "cache_bytes": pa.int64(),
 }
 DRAFTER_PREFIX = "drafter_"  # drafter stats in steps rows: drafter_<name>, always float64
-ROLLOUTS_DIR, STEPS_DIR = "rollouts.parquet", "steps.parquet"
+ROLLOUTS_DIR, STEPS_DIR, DRAFTERS_DIR = "rollouts.parquet", "steps.parquet", "drafters"
 _TMP_PREFIX = ".tmp-"
 
 
-class ConfigMismatchError(ValueError):
+class ConfigMismatchError(UserError, ValueError):
     """A run folder was reopened with a config different from the one it was started with."""
 
 
-class RunFolderError(FileNotFoundError):
+class RunFolderError(UserError, FileNotFoundError):
     """A path is not a (complete) run folder."""
 
 
@@ -81,7 +86,7 @@ def rollout_row(rollout: Rollout, **extra: Any) -> dict:
         "num_accepted_tokens_per_pos": list(rollout.num_accepted_tokens_per_pos),
         "num_forward_passes": rollout.num_forward_passes,
         "first_token_s": rollout.first_token_time, "last_token_s": rollout.last_token_time,
-        "run_ahead": rollout.run_ahead, "reward": None, "matches_recorded": None,
+        "run_ahead": rollout.run_ahead, "anticipates_step": rollout.anticipates, "reward": None, "matches_recorded": None,
         "margins": [float(x) for x in rollout.margins],
     }
     row.update(extra)
@@ -214,14 +219,18 @@ def environment() -> dict:
 class RunWriter:
     """Creates or reopens ``run_dir`` and appends one (step, method) unit at a time, atomically."""
 
-    def __init__(self, run_dir: str | Path, config: Mapping, summary: Mapping | None = None):
+    def __init__(self, run_dir: str | Path, config: Mapping, summary: Mapping | None = None,
+                 not_identity: Iterable[str] = ()):
+        """``not_identity``: top-level config keys a reopened run may change (output folders,
+        verbosity); the config saved when the folder is created records them all the same."""
         self.run_dir = Path(run_dir)
         self.config = _normalize(config)
         self.rollouts_dir = self.run_dir / ROLLOUTS_DIR
         self.steps_dir = self.run_dir / STEPS_DIR
+        self.drafters_dir = self.run_dir / DRAFTERS_DIR
         config_path, summary_path = self.run_dir / "config.yaml", self.run_dir / "summary.json"
         if config_path.exists():
-            self._check_same_config(config_path)
+            self._check_same_config(config_path, tuple(not_identity))
             old = json.loads(summary_path.read_text()) if summary_path.exists() else {}
             self.summary = {**old, **(summary or {}), "status": "running"}
             self.summary.setdefault("resumed_at", []).append(_now())
@@ -237,12 +246,15 @@ class RunWriter:
         self.run_id = str(self.summary.get("run_id") or self.run_dir.name)
         self.rollouts_dir.mkdir(exist_ok=True)
         self.steps_dir.mkdir(exist_ok=True)
+        self.drafters_dir.mkdir(exist_ok=True)
         self._write_summary()
 
-    def _check_same_config(self, path: Path) -> None:
+    def _check_same_config(self, path: Path, not_identity: tuple[str, ...] = ()) -> None:
         old = _flatten(yaml.safe_load(path.read_text()) or {})
         new = _flatten(self.config)
-        diff = sorted(k for k in old.keys() | new.keys() if old.get(k, "<absent>") != new.get(k, "<absent>"))
+        skip = lambda k: any(k == top or k.startswith(f"{top}.") for top in not_identity)
+        diff = sorted(k for k in old.keys() | new.keys()
+                      if not skip(k) and old.get(k, "<absent>") != new.get(k, "<absent>"))
         if diff:
             shown = ", ".join(f"{k} ({old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r})"
                               for k in diff[:10])
@@ -252,13 +264,17 @@ class RunWriter:
                 f"to run this config, give it a new run id (a new folder).")
 
     def _clean(self) -> None:
-        """Remove temp files of a killed writer and rollouts parts of uncommitted units."""
+        """Remove temp files of a killed writer, and rollouts parts and drafter snapshots of
+        uncommitted units."""
         done = {p.name for p in self.steps_dir.glob("step_*.parquet")}
-        for d in (self.rollouts_dir, self.steps_dir):
+        for d in (self.rollouts_dir, self.steps_dir, self.drafters_dir):
             for p in d.glob(f"{_TMP_PREFIX}*"):
                 p.unlink(missing_ok=True)
         for p in self.rollouts_dir.glob("step_*.parquet"):
             if p.name not in done:
+                p.unlink(missing_ok=True)
+        for p in self.drafters_dir.glob("step_*.pkl"):
+            if p.with_suffix(".parquet").name not in done:
                 p.unlink(missing_ok=True)
 
     def _write_summary(self) -> None:
@@ -269,8 +285,10 @@ class RunWriter:
         """(step, method) units already committed; a resumed run skips these."""
         return {u for p in self.steps_dir.iterdir() if (u := _parse_part(p.name))}
 
-    def write_unit(self, step: int, method: str, rollout_rows: list[dict], step_row: dict) -> None:
-        """Commit one finished unit (rewriting a done unit replaces it, never duplicates it)."""
+    def write_unit(self, step: int, method: str, rollout_rows: list[dict], step_row: dict,
+                   drafter_state: bytes | None = None) -> None:
+        """Commit one finished unit (rewriting a done unit replaces it, never duplicates it);
+        ``drafter_state`` (a pickled drafter, see :meth:`drafter_state`) is committed with it."""
         ids = {"run_id": self.run_id, "step": int(step), "method": method}
         for row in [*rollout_rows, step_row]:
             for k in ("step", "method"):
@@ -282,7 +300,19 @@ class RunWriter:
         steps = _to_table([{**ids, **step_row}], STEP_SCHEMA, float_prefix=DRAFTER_PREFIX)
         name = _part_name(step, method)
         _atomic_write_bytes(self.rollouts_dir / name, lambda f: pq.write_table(rollouts, f))
+        snapshot = self.drafters_dir / Path(name).with_suffix(".pkl")
+        if drafter_state is not None:
+            _atomic_write_bytes(snapshot, lambda f: f.write(drafter_state))
         _atomic_write_bytes(self.steps_dir / name, lambda f: pq.write_table(steps, f))
+        for old in self.drafters_dir.glob("step_*.pkl"):  # only the latest state is ever resumed from
+            unit = _parse_part(old.with_suffix(".parquet").name)
+            if unit is not None and unit[1] == method and unit[0] < int(step):
+                old.unlink(missing_ok=True)
+
+    def drafter_state(self, step: int, method: str) -> bytes | None:
+        """The drafter snapshot committed with unit (step, method), or None if there is none."""
+        path = self.drafters_dir / Path(_part_name(step, method)).with_suffix(".pkl")
+        return path.read_bytes() if path.exists() else None
 
     def finish(self, status: str = "complete") -> None:
         """Mark the run finished (status and end time in summary.json)."""
@@ -290,8 +320,32 @@ class RunWriter:
         self._write_summary()
 
 
+def _read_part(path: Path) -> pd.DataFrame:
+    """One parquet part; an unreadable one raises RunFolderError naming it and the fix."""
+    try:
+        return pd.read_parquet(path)
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        run_dir, name = path.parent.parent, path.name
+        raise RunFolderError(
+            f"{path} is not a readable parquet file ({type(exc).__name__}: {exc}). Delete "
+            f"{run_dir / STEPS_DIR / name} and {run_dir / ROLLOUTS_DIR / name}: rerunning the run's "
+            f"command recomputes that (step, method) unit, and collect works without it.") from exc
+
+
+def check_parts(run_dir: str | Path) -> None:
+    """Read every committed part of a run folder (raises RunFolderError on the first bad one):
+    called before a run folder is reopened, so a corrupt part is reported before anything changes."""
+    run_dir = Path(run_dir)
+    if not (run_dir / STEPS_DIR).is_dir():
+        return
+    for name in sorted(p.name for p in (run_dir / STEPS_DIR).iterdir() if _parse_part(p.name)):
+        for directory in (STEPS_DIR, ROLLOUTS_DIR):
+            if (run_dir / directory / name).exists():
+                _read_part(run_dir / directory / name)
+
+
 def _read_parts(directory: Path, names: list[str], schema: Mapping[str, pa.DataType]) -> pd.DataFrame:
-    frames = [pd.read_parquet(directory / n) for n in names]
+    frames = [_read_part(directory / n) for n in names]
     frames = [f for f in frames if len(f)]
     if not frames:
         return _to_table([], schema).to_pandas()

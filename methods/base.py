@@ -94,13 +94,21 @@ class Rollout:
     first_token_time: float = 0.0  # seconds since the rollout call started
     last_token_time: float = 0.0
     run_ahead: bool = False  # generated only to feed drafter caches (never used for training)
+    anticipates: int | None = None  # run-ahead only: the step whose prompt it sampled early
     margins: list[float] = field(default_factory=list)
 
 
 @runtime_checkable
 class Drafter(Protocol):
     """What every method implements; the engine calls these in this order per rollout:
-    ``start`` once, then ``propose``/``observe`` each iteration, then ``finish``."""
+    ``start`` once, then ``propose``/``observe`` each iteration, then ``finish``.
+
+    Optional hook (not part of the protocol; ``NullDrafter`` has a no-op):
+    ``begin_iteration(live)`` is called once per engine iteration, before that iteration's
+    ``propose`` calls, with ``live`` = [(key, output length), ...] of every running row in
+    batch order (``bench.drafting.report_live``). Batch-aware drafters (Seer's tail-first
+    budget) read it; the others ignore it.
+    """
 
     def begin_step(self, step: int) -> None: ...
 
@@ -122,6 +130,9 @@ class NullDrafter:
         pass
 
     def start(self, key: RolloutKey, prompt: Sequence[int]) -> None:
+        pass
+
+    def begin_iteration(self, live: Sequence[tuple[RolloutKey, int]]) -> None:
         pass
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:

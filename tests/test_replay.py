@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -87,33 +88,129 @@ def _cli(*args):
             *[a for a in args if a != "-m"]]
 
 
-def test_resume_after_kill_loses_nothing_and_counts_nothing_twice(tmp_path):
+RESUME_METHODS = ["baseline", "tree_cache_runahead", "hybrid", "suffix_global", "tree_cache_tree",
+                  "history_spec"]
+TIMES = {"run_id", "wall_s", "tokens_per_s", "first_token_s", "last_token_s"}  # measured, not counted
+
+
+def _counted(frame):
+    """Every column but the measured times, sorted into one canonical order, as plain values."""
+    cols = ["step", "method"] + [c for c in ("run_ahead", "prompt_id", "sample_idx") if c in frame]
+    frame = frame.sort_values(cols).reset_index(drop=True)
+    plain = lambda v: (list(v) if hasattr(v, "__len__") and not isinstance(v, str)
+                       else None if pd.isna(v) else v)
+    return {c: [plain(v) for v in frame[c]] for c in sorted(set(frame.columns) - TIMES)}
+
+
+def _assert_same_run(a_dir, b_dir):
+    _, _, a_rows, a_steps = load_run(a_dir)
+    _, _, b_rows, b_steps = load_run(b_dir)
+    assert not a_steps.duplicated(["step", "method"]).any()
+    assert not a_rows.duplicated(["step", "method", "prompt_id", "sample_idx"]).any()
+    ra, rb = _counted(a_rows), _counted(b_rows)
+    assert ra.keys() == rb.keys()
+    for col in ra:  # tokens, logprobs, every per-rollout counter, run-ahead rollouts included
+        assert ra[col] == rb[col], f"rollouts column {col} differs from the uninterrupted run"
+    sa, sb = _counted(a_steps), _counted(b_steps)
+    for col in sa.keys() | sb.keys():  # per-step counters and every drafter statistic
+        assert sa.get(col) == sb.get(col), f"steps column {col} differs from the uninterrupted run"
+
+
+def test_resume_at_every_unit_boundary_equals_the_uninterrupted_run(tmp_path):
+    """5 steps x 6 methods, the run killed after every single unit and resumed each time."""
+    from bench.cli import method_specs
+    from bench.record import ensure_trace
+    from bench.replay import ReplayInterrupted
+    trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
+    cfg = cfg_for("method=[" + ",".join(RESUME_METHODS) + "]", "engine.dtype=float64")
+    config = {"trace": {"name": trace.name}, "engine": {"name": "torch_ref"}, "methods": RESUME_METHODS}
+    steps, sampling = trace.step_numbers[:5], trace.sampling.to_config()
+    labels = {"trace": trace.name, "engine": "torch_ref"}
+    engine = TorchRefEngine(dtype="float64")
+    replay(trace, engine, method_specs(cfg), sampling, RunWriter(tmp_path / "whole", config), steps,
+           progress=False, labels=labels)
+    restarts = 0
+    while True:  # each pass: a new writer and new drafters, as a new process would have
+        try:
+            replay(trace, TorchRefEngine(dtype="float64"), method_specs(cfg), sampling,
+                   RunWriter(tmp_path / "killed", config), steps, progress=False, labels=labels,
+                   stop_after_units=1)
+            break
+        except ReplayInterrupted:
+            restarts += 1
+    assert restarts == len(steps) * len(RESUME_METHODS)
+    _, summary, _, _ = load_run(tmp_path / "killed")
+    assert summary["status"] == "complete" and len(summary["resumed_at"]) == restarts
+    # only the latest drafter snapshot per method is kept
+    assert len(list((tmp_path / "killed" / "drafters").glob("*.pkl"))) == len(RESUME_METHODS)
+    _assert_same_run(tmp_path / "killed", tmp_path / "whole")
+
+
+def test_resume_after_a_real_kill_mid_unit_equals_the_uninterrupted_run(tmp_path):
     from bench.record import ensure_trace
     ensure_trace("countdown-tiny", tiny=True)  # recorded before the clock starts
-    common = ["method=[baseline,tree_cache,history_spec]", "engine.dtype=float64", "max_steps=5",
-              f"results_root={tmp_path}"]
+    common = ["method=[baseline,tree_cache,hybrid,tree_cache_runahead]", "engine.dtype=float64",
+              "max_steps=5", f"results_root={tmp_path}"]
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_cli(*common, "run_id=killed"), cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while time.time() < deadline and len(list((killed / "steps.parquet").glob("step_*"))) < 4:
-        time.sleep(0.05)
+    parts = lambda: list((killed / "steps.parquet").glob("step_*"))
+    while time.time() < deadline and len(parts()) < 6:
+        time.sleep(0.01)
+    time.sleep(0.05)  # into the next unit
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    parts = len(list((killed / "steps.parquet").glob("step_*")))
-    assert 4 <= parts < 15, "the kill must land mid-run"
+    assert 6 <= len(parts()) < 20, "the kill must land mid-run"
     subprocess.run(_cli(*common, "run_id=killed"), cwd=ROOT, check=True, capture_output=True)
     subprocess.run(_cli(*common, "run_id=whole"), cwd=ROOT, check=True, capture_output=True)
-    _, summary, rows, steps = load_run(killed)
-    assert summary["status"] == "complete" and summary.get("resumed_at")
-    assert len(steps) == 15 and not steps.duplicated(["step", "method"]).any()
-    assert not rows.duplicated(["step", "method", "prompt_id", "sample_idx"]).any()
-    _, _, whole, _ = load_run(tmp_path / "whole")
-    cols = ["step", "method", "prompt_id", "sample_idx"]
-    a, b = rows.sort_values(cols).reset_index(drop=True), whole.sort_values(cols).reset_index(drop=True)
-    assert list(map(list, a.output_tokens)) == list(map(list, b.output_tokens))
-    # drafter caches rebuilt from the results give the same drafts as an uninterrupted run
-    assert a.num_accepted_tokens.tolist() == b.num_accepted_tokens.tolist()
+    _, summary, _, steps = load_run(killed)
+    assert summary["status"] == "complete" and summary.get("resumed_at") and len(steps) == 20
+    _assert_same_run(killed, tmp_path / "whole")
+
+
+def test_run_ahead_rollouts_are_stored_apart_and_do_not_copy_the_future(tmp_path):
+    """Run-ahead samples of step s+1's prompts must be as (in)dependent of step s+1's rollouts as
+    any other sample of the same policy: before they had their own key space, most were copies."""
+    run_dir = run(cfg_for("method=[baseline,tree_cache_runahead]", "engine.dtype=float64", "max_steps=6",
+                          f"results_root={tmp_path}"))
+    _, _, rows, steps = load_run(run_dir)
+    ahead = rows[rows["run_ahead"].astype(bool)]
+    trained = rows[~rows["run_ahead"].astype(bool)]
+    assert len(ahead) > 0 and (ahead["method"] == "tree_cache_runahead").all()
+    assert (ahead["anticipates_step"] > ahead["step"]).all()
+    n = trained["sample_idx"].max() + 1
+    assert (ahead["sample_idx"] >= n).all()  # slots of their own, never a live trained rollout's
+    # kept out of every metric: the steps row counts trained rollouts only
+    per_step = steps.set_index(["method", "step"])["num_rollouts"].sort_index()
+    assert per_step.to_dict() == trained.groupby(["method", "step"]).size().to_dict()
+
+    # Audit: is a run-ahead sample (finished, or its partial output when aborted) the start of
+    # one of the next step's rollouts of its prompt more often than an independent sample is?
+    # The independent sample: the same request drawn by the same checkpoint under another seed.
+    from dataclasses import replace
+    from bench.engines.base import Request
+    trace = Trace.load(str(load_run(run_dir)[0]["trace"]["path"]))
+    base = trained[trained["method"] == "baseline"]
+    future: dict = {}
+    for s, p, toks in zip(base["step"], base["prompt_id"], base["output_tokens"]):
+        future.setdefault((s, p), []).append(list(toks))
+    starts_future = lambda toks, s, p: any(f[:len(toks)] == toks for f in future[(s, p)])
+    engine, sampling = TorchRefEngine(dtype="float64"), replace(trace.sampling.to_config(), seed=12345)
+    ra_hits = ref_hits = compared = 0
+    for s, grp in ahead[ahead["output_len"] > 0].groupby("step"):
+        engine.load(trace.checkpoint(int(s)))
+        reqs = [Request(RolloutKey(p, int(i)), trace.prompts[p], int(s)) for p, i in zip(grp["prompt_id"], grp["sample_idx"])]
+        independent = engine.rollout(reqs, sampling, Baseline(), VerifyConfig())
+        for a, p, toks, other in zip(grp["anticipates_step"], grp["prompt_id"], grp["output_tokens"], independent):
+            toks = list(toks)
+            compared += 1
+            ra_hits += starts_future(toks, int(a), p)
+            ref_hits += starts_future(other.token_ids[:len(toks)], int(a), p)
+    assert compared >= 30
+    print(f"run-ahead samples that start a next-step rollout: {ra_hits}/{compared}; "
+          f"independent samples of the same length: {ref_hits}/{compared}")
+    assert ra_hits <= ref_hits + 0.1 * compared, (ra_hits, ref_hits, compared)
 
 
 @pytest.mark.parametrize("group,options", [

@@ -128,7 +128,7 @@ class Recorder(NullDrafter):
         self.calls.append(("finish", key, rollout.run_ahead))
 
 
-def test_run_ahead_requests_feed_the_drafter_but_not_the_results(engine64):
+def test_run_ahead_requests_feed_the_drafter_and_come_back_after_the_trained_ones(engine64):
     reqs = requests(4)
     extra = [Request(RolloutKey(f"next{i}", 0), [0, 9, 9, i + 3], step=2, run_ahead=True) for i in range(6)]
     asked = []
@@ -143,11 +143,16 @@ def test_run_ahead_requests_feed_the_drafter_but_not_the_results(engine64):
     sampling = SAMPLINGS["t1"]
     out = engine64.rollout(reqs, sampling, rec, VerifyConfig(), run_ahead=source)
     base = engine64.rollout(reqs, sampling, Baseline(), VerifyConfig())
-    assert [r.token_ids for r in out] == [r.token_ids for r in base]
+    trained, ahead = out[:4], out[4:]
+    assert [r.token_ids for r in trained] == [r.token_ids for r in base]
     assert asked and all(f > 0 for f in asked)
     observed = {c[1].prompt_id for c in rec.calls if c[0] == "observe"}
     assert any(p.startswith("next") for p in observed)
-    assert all(not r.run_ahead for r in out) and len(out) == 4
+    assert all(not r.run_ahead for r in trained)
+    # every admitted run-ahead request comes back, finished or aborted when the main batch ended
+    assert ahead and all(r.run_ahead and r.key.prompt_id.startswith("next") for r in ahead)
+    assert len(ahead) == 6 - len(extra)
+    assert all(r.finish_reason in ("stop", "length", "abort") for r in ahead)
 
 
 def test_bad_checkpoints_name_the_path(tmp_path, ckpts):

@@ -44,9 +44,10 @@ import torch
 
 from methods.base import Draft, Drafter, Rollout
 
-from ..sampling import SamplingConfig, rollout_seed
+from ..sampling import SamplingConfig
+from ..errors import UserError
 from ..verify import VerifyConfig, verify_batch
-from .base import Request, RunAheadSource
+from .base import Request, RunAheadSource, request_key64
 from .checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
 
 INSTALL_HINT = ("engine=sglang needs the sglang package in the running environment: on a GPU machine "
@@ -54,7 +55,7 @@ INSTALL_HINT = ("engine=sglang needs the sglang package in the running environme
                 "bash rigs/sglang_cpu/build.sh and run with .venv-sglang/bin/python")
 
 
-class SGLangUnavailable(ImportError):
+class SGLangUnavailable(UserError, ImportError):
     """sglang cannot be imported here; the message says what to install."""
 
 
@@ -172,7 +173,7 @@ class SGLangEngine:
                              f"SGLang that runs as its NGRAM speculation (a GPU feature): set "
                              f"engine.speculative_algorithm=NGRAM, or use engine=torch_ref")
         t0 = time.perf_counter()
-        rows = [_Row(r, rollout_seed(sampling.seed, r.step, r.key.prompt_id, r.key.sample_idx)) for r in requests]
+        rows = [_Row(r, request_key64(sampling.seed, r)) for r in requests]
         for row in rows:
             drafter.start(row.request.key, row.request.prompt_token_ids)
         if mode == "prefix":

@@ -20,10 +20,10 @@ import torch
 
 from methods.base import Draft, Drafter, Rollout
 
-from ..drafting import DraftCounters, next_draft
-from ..sampling import SamplingConfig, rollout_seed
+from ..drafting import DraftCounters, next_draft, report_live
+from ..sampling import SamplingConfig
 from ..verify import VerifyConfig, check_rule, verify_batch
-from .base import Request, RunAheadSource
+from .base import Request, RunAheadSource, request_key64
 from .checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
 from .kv_slots import SlotKVCache
 
@@ -132,6 +132,7 @@ class TorchRefEngine:
         waiting = list(requests)
         rows: list[_Row] = []
         done: dict[int, Rollout] = {}
+        ahead: list[Rollout] = []
         order = {id(r): i for i, r in enumerate(requests)}
         cache = SlotKVCache(capacity=1)
         self.last_iterations = 0  # forward passes of this call (what steps.parquet records)
@@ -145,7 +146,7 @@ class TorchRefEngine:
                 if admitted:
                     for r in admitted:
                         drafter.start(r.key, r.prompt_token_ids)
-                    new = [_Row(r, rollout_seed(sampling.seed, r.step, r.key.prompt_id, r.key.sample_idx),
+                    new = [_Row(r, request_key64(sampling.seed, r),
                                 list(r.prompt_token_ids)) for r in admitted]
                     need = max(len(r.prompt_token_ids) for r in admitted) + sampling.max_new_tokens + 1
                     cache.add_rows(len(new), max(need, cache.capacity))
@@ -159,14 +160,20 @@ class TorchRefEngine:
                         continue
                     rollout = self._to_rollout(row)
                     drafter.finish(row.request.key, rollout)  # finished run-ahead rollouts feed caches too
-                    if not row.request.run_ahead:
+                    if row.request.run_ahead:
+                        ahead.append(rollout)
+                    else:
                         done[order[id(row.request)]] = rollout
                 if len(keep) < len(rows):
                     rows = [rows[i] for i in keep]
                     cache.keep_rows(keep)
                 if rows and not waiting and all(r.request.run_ahead for r in rows):
-                    break  # the main batch is done: run-ahead rollouts are aborted
-        return [done[i] for i in range(len(requests))]
+                    for row in rows:  # the main batch is done: run-ahead rollouts are aborted
+                        row.finish_reason = "abort"
+                        ahead.append(self._to_rollout(row))
+                    break
+        # trained rollouts in request order, then run-ahead ones (finished or aborted) for the record
+        return [done[i] for i in range(len(requests))] + ahead
 
     def _fits(self, r: Request, sampling: SamplingConfig) -> bool:
         return len(r.prompt_token_ids) + sampling.max_new_tokens <= self.info.max_context
@@ -184,6 +191,7 @@ class TorchRefEngine:
     def _iterate(self, rows: list[_Row], cache: SlotKVCache, sampling: SamplingConfig, drafter: Drafter,
                  verify: VerifyConfig, stops: set[int], t0: float) -> None:
         """One forward pass: draft, build the ragged block, run the model, verify, commit."""
+        report_live(drafter, [(row.request.key, len(row.output)) for row in rows])
         drafts = [next_draft(drafter, row.request.key, row.output, sampling.max_new_tokens) for row in rows]
         verdicts: list = [None] * len(rows)
         for group in _forward_groups([len(r.pending) + len(d) for r, d in zip(rows, drafts)]):
@@ -240,7 +248,7 @@ class TorchRefEngine:
         r = row.request
         return Rollout(key=r.key, step=r.step, prompt_token_ids=list(r.prompt_token_ids), token_ids=row.output,
                        logprobs=row.logprobs, margins=row.margins, finish_reason=row.finish_reason, **row.counters.as_dict(),
-                       first_token_time=row.first_t, last_token_time=row.last_t, run_ahead=r.run_ahead)
+                       first_token_time=row.first_t, last_token_time=row.last_t, run_ahead=r.run_ahead, anticipates=r.anticipates)
 
 
 @dataclass

@@ -39,10 +39,11 @@ import torch
 
 from methods.base import Draft, Drafter, NullDrafter, Rollout
 
-from ..sampling import (STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, processed_probs, rollout_seed,
+from ..sampling import (STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, processed_probs,
                         sample_inverse_cdf, uniform_reference)
+from ..errors import UserError
 from ..verify import VerifyConfig, verify_batch
-from .base import Request, RunAheadSource
+from .base import Request, RunAheadSource, request_key64
 from .checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
 from . import vllm_proposer as vp
 
@@ -54,7 +55,7 @@ INSTALL_HINT = ("engine=vllm needs vLLM in its own environment: pip install -e '
                 "or use engine=torch_ref")
 
 
-class EngineNotInstalled(ImportError, NotImplementedError):
+class EngineNotInstalled(UserError, ImportError, NotImplementedError):
     """The engine's package is missing from this environment; the message says what to install."""
 
 
@@ -165,7 +166,7 @@ class VLLMEngine:
         self._calls += 1
         self.last_iterations = 0
         t0 = time.perf_counter()
-        rows = [_Row(r, rollout_seed(sampling.seed, r.step, r.key.prompt_id, r.key.sample_idx)) for r in requests]
+        rows = [_Row(r, request_key64(sampling.seed, r)) for r in requests]
         for row in rows:
             drafter.start(row.request.key, row.request.prompt_token_ids)
         budget = sampling.max_new_tokens - 1
@@ -175,17 +176,18 @@ class VLLMEngine:
         if scored:
             self._score_and_verify(scored, sampling, verify, greedy, stops, drafter, t0)
         drafts_later = type(drafter).propose is not NullDrafter.propose and self.speculative_method == "custom_class"
+        ahead: list[Rollout] = []
         if drafts_later and self._python_verify(greedy):
             self._python_loop(rows, sampling, drafter, verify, stops, t0)
         else:
-            self._generate(rows, sampling, drafter, greedy, stops, t0, run_ahead)
+            ahead = self._generate(rows, sampling, drafter, greedy, stops, t0, run_ahead)
         self.last_spec_metrics = _diff(self._spec_metrics(), metrics_before)
         out = []
         for row in rows:
             rollout = row.to_rollout()
             drafter.finish(row.request.key, rollout)
             out.append(rollout)
-        return out
+        return out + ahead  # run-ahead rollouts last, for the record (as torch_ref)
 
     def _python_verify(self, greedy: bool) -> bool:
         """Whether drafts after the first token are verified here instead of by vLLM's rejection sampler."""
@@ -310,8 +312,9 @@ class VLLMEngine:
             elif len(row.output) >= sampling.max_new_tokens:
                 row.finish_reason = "length"
 
-    def _generate(self, rows, sampling, drafter, greedy, stops, t0, run_ahead) -> None:
-        """Generate the rest of every unfinished row; the proposer drafts from the drafter meanwhile."""
+    def _generate(self, rows, sampling, drafter, greedy, stops, t0, run_ahead) -> list[Rollout]:
+        """Generate the rest of every unfinished row; the proposer drafts from the drafter meanwhile.
+        Returns the run-ahead rollouts (aborted ones with finish reason "abort" and no tokens)."""
         session = vp.Session(drafter, stops, self.k) if self.speculative_method == "custom_class" else None
         vp.REGISTRY.session = session
         live: dict[str, _Row] = {}
@@ -345,7 +348,7 @@ class VLLMEngine:
                 for r in run_ahead(free):
                     if len(r.prompt_token_ids) + sampling.max_new_tokens > self.llm.llm_engine.model_config.max_model_len:
                         continue
-                    row = _Row(r, rollout_seed(sampling.seed, r.step, r.key.prompt_id, r.key.sample_idx))
+                    row = _Row(r, request_key64(sampling.seed, r))
                     drafter.start(r.key, r.prompt_token_ids)
                     extra.append(row)
                     new.append(self._item(f"a{self._calls}:{len(extra)}", row, sampling, greedy, stops, session, live))
@@ -381,9 +384,15 @@ class VLLMEngine:
                 row.first_t = row.first_gen_t
         for row in rows:  # forward passes: each pass emits its accepted tokens plus one
             row.passes = max(1, len(row.output) - row.accepted) if row.output else 0
+        ahead = []
         for row in extra:
             if row.finished_gen:
-                drafter.finish(row.request.key, row.to_rollout())
+                ahead.append(row.to_rollout())
+                drafter.finish(row.request.key, ahead[-1])
+            else:
+                row.finish_reason = "abort"
+                ahead.append(row.to_rollout())
+        return ahead
 
     def _item(self, rid, row, sampling, greedy, stops, session, live):
         from vllm import SamplingParams
@@ -484,4 +493,5 @@ class _Row:
                        logprobs=list(self.logprobs), finish_reason=self.finish_reason, num_drafts=self.drafts,
                        num_draft_tokens=self.draft_tokens, num_accepted_tokens=self.accepted,
                        num_accepted_tokens_per_pos=list(self.per_pos), num_forward_passes=self.passes,
-                       first_token_time=self.first_t, last_token_time=self.last_t, run_ahead=r.run_ahead)
+                       first_token_time=self.first_t, last_token_time=self.last_t, run_ahead=r.run_ahead,
+                       anticipates=r.anticipates)
