@@ -44,6 +44,7 @@ from methods.oracle import OracleDrafter
 from methods.suffix_tree import SuffixTrie
 
 from .drafting import DraftCounters, next_draft
+from .errors import UserError
 from .stats import rollout_metrics, safe_div
 from .trace import iter_jsonl
 from .verify import descend, node_depths
@@ -60,7 +61,7 @@ ROW_COLUMNS = ("method", "step", "prompt_id", "sample_idx", "output_len", "num_d
                "oracle_num_forward_passes", "finish_reason", "reward")
 
 
-class SimulationError(ValueError):
+class SimulationError(UserError, ValueError):
     """Input or method that cannot be simulated; the message names the file or method and the fix."""
 
 
@@ -440,5 +441,6 @@ def _write(df: pd.DataFrame, path: Path) -> None:
 
 if __name__ == "__main__":
     # run the importable module's main, so config targets (bench.simulate.RecordedOracle) are its classes
+    from bench.errors import run_main
     from bench.simulate import main as _main
-    _main()
+    run_main(_main)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from .errors import UserError
+
 MANIFEST = "trace.yaml"
 PROMPTS = "prompts.jsonl"
 ROLLOUT_COLUMNS = ("prompt_id", "sample_idx", "token_ids", "logprobs", "reward")
@@ -31,7 +33,7 @@ TASKS = {"countdown": "bench.record.task"}
 FORMAT_VERSION = 1
 
 
-class TraceError(ValueError):
+class TraceError(UserError, ValueError):
     """A trace that cannot be replayed as is; the message names the file and the fix."""
 
 
@@ -364,4 +366,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from .errors import run_main
+    run_main(main)

@@ -9,8 +9,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UserError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(UserError, ValueError):
     """A checkpoint directory that cannot serve as a policy; the message names the path and fix."""
 
 
