@@ -2,9 +2,21 @@
 
     python -m bench.collect results/runs [more run folders or roots ...] [--out results/tables]
 
-Speedup and reward delta are computed here only, against the baseline run of the SAME trace,
-engine and sampling (``sampling.temperature/top_p/top_k/max_new_tokens/seed`` of config.yaml),
-over the steps both runs have. Without such a baseline they are NaN and a note says why.
+Speedup and reward delta are computed here only, against the baseline run of the SAME setup, over
+the steps both runs have. The setup is the trace name, the engine name, every key of the engine
+section of config.yaml (device, dtype, batch size, threads, engine knobs), the hardware of
+summary.json (``HARDWARE_KEYS``: CPU model, core count, GPU model, GPU count; the platform string,
+versions and git sha are not part of it: they change with a kernel or package update, not with the
+machine) and the sampling (``sampling.temperature/top_p/top_k/max_new_tokens/seed``). A method is
+paired with the baseline of its own run when that run has one, else with the one baseline run of
+the same setup; where there is none, or several, speedup, reward delta and identity are NaN and a
+note says why (nothing is picked at random).
+
+Identity (exact methods only, on a coupled engine such as ``torch_ref``): ``identity_rate`` is the
+share of (step, prompt, sample) slots whose tokens equal the paired baseline's, and
+``rule_divergences`` counts the divergences that are not near-ties of the engine dtype
+(``bench.precision``); for an exact method it must be 0. Both are blank for the baseline, lossy
+methods (verify rule ``ratio``) and engines whose sampling is not coupled.
 """
 from __future__ import annotations
 
@@ -22,9 +34,13 @@ from .results import STEPS_DIR, RunFolderError, _flatten, load_run
 from .stats import summarize
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
-GROUP = ("trace", "engine", "sampling")  # what must match for a baseline to count
+HARDWARE_KEYS = ("cpu", "cores", "gpu", "gpu_count")  # summary.json hardware fields that name the machine
+# what must match for a baseline to count (engine_config: the engine section; see the docstring)
+GROUP = ("trace", "engine", "engine_config", "hardware", "sampling")
+COUPLED_ENGINES = ("torch_ref",)  # engines whose sampling is coupled: exact methods are token-identical
 DISPLAY = ("method", "tokens_per_step", "mean_acceptance_length", "acceptance_rate",
-           "rollout_wall_s", "tokens_per_s", "speedup", "speedup_std", "reward_delta", "num_steps")
+           "rollout_wall_s", "tokens_per_s", "speedup", "speedup_std", "reward_delta",
+           "identity_rate", "rule_divergences", "num_steps")
 
 
 @dataclass
@@ -32,7 +48,7 @@ class Collection:
     runs: pd.DataFrame       # one row per run folder
     rollouts: pd.DataFrame   # rows of the runs used, ``method`` relabelled with knob variants
     steps: pd.DataFrame
-    table: pd.DataFrame      # one row per (trace, engine, sampling, method)
+    table: pd.DataFrame      # one row per (GROUP..., method): trace, engine, its settings, hardware, sampling
     per_step: pd.DataFrame   # the same per step, with per-step speedup
     notes: list[str] = field(default_factory=list)
 
@@ -46,6 +62,25 @@ def sampling_label(config: dict) -> str:
 def _named(section):
     """A config section's name: ``trace: {name: tiny, ...}`` or ``trace: tiny``."""
     return section.get("name") if isinstance(section, dict) else section
+
+
+def _fmt_value(v) -> str:
+    return "null" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def engine_label(config: dict) -> str:
+    """Every key of config.yaml's engine section but its name, e.g. 'device=cpu, dtype=float32'."""
+    section = config.get("engine")
+    flat = _flatten(section) if isinstance(section, dict) else {}
+    return ", ".join(f"{k}={_fmt_value(v)}" for k, v in sorted(flat.items())
+                     if k and k != "name") or "unrecorded"
+
+
+def hardware_label(summary: dict) -> str:
+    """The machine of summary.json's hardware (``HARDWARE_KEYS``); 'unknown' where not recorded."""
+    hw = summary.get("hardware") or {}
+    parts = [f"{k}={_fmt_value(hw[k])}" for k in HARDWARE_KEYS if hw.get(k) is not None]
+    return ", ".join(parts) or "unknown"
 
 
 def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
@@ -81,11 +116,13 @@ def load_runs(paths: Iterable[str | Path], progress: bool = True):
         info = {"run_id": run_id, "run_dir": str(run_dir), "status": summary.get("status"),
                 "start_time": summary.get("start_time"), "sampling": sampling_label(config),
                 "trace": _named(config.get("trace")) or summary.get("trace"),
-                "engine": summary.get("engine") or _named(config.get("engine"))}
+                "engine": summary.get("engine") or _named(config.get("engine")),
+                "engine_config": engine_label(config), "hardware": hardware_label(summary)}
         runs.append(info)
         for frame in (r, s):
             frame["run_id"] = run_id
-            frame["sampling"] = info["sampling"]
+            for k in ("sampling", "engine_config", "hardware"):
+                frame[k] = info[k]
             for k in ("trace", "engine"):
                 frame[k] = frame[k].fillna(info[k]) if k in frame else info[k]
         rollouts.append(r)
@@ -131,17 +168,86 @@ def _select(runs, steps, configs, baseline: str) -> tuple[dict[tuple[str, str], 
     return chosen, notes
 
 
-def _vs_baseline(per_step: pd.DataFrame, baseline: str, notes: list[str]) -> pd.DataFrame:
-    keys = [*GROUP, "step"]
-    base = per_step[per_step["method"] == baseline][keys + ["rollout_wall_s", "reward_mean"]]
-    out = per_step.merge(base, on=keys, how="left", suffixes=("", "_baseline"))
+def _where(key: tuple) -> str:
+    """A GROUP key as words: 'trace tiny, engine torch_ref (settings ...), hardware ..., sampling ...'."""
+    trace, engine, settings, hardware, sampling = key
+    return f"trace {trace}, engine {engine} ({settings}), hardware {hardware}, {sampling}"
+
+
+def _pair(runs: pd.DataFrame, steps: pd.DataFrame, chosen: dict, baseline: str,
+          notes: list[str]) -> dict[str, str | None]:
+    """{run_id: the run whose baseline it is compared with, or None} for every run in use: its own
+    run where that has the baseline, else the one baseline run of the same setup (GROUP)."""
+    info = runs.set_index("run_id")
+    key = lambda rid: tuple(info.at[rid, k] for k in GROUP)
+    with_base = sorted(set(steps.loc[steps["method"] == baseline, "run_id"]))
+    by_key: dict[tuple, list[str]] = {}
+    for rid in with_base:
+        by_key.setdefault(key(rid), []).append(rid)
+    pairs: dict[str, str | None] = {}
+    missing: dict[tuple, list[str]] = {}
+    for rid in sorted({r for r, _ in chosen}):
+        if rid in with_base:
+            pairs[rid] = rid
+            continue
+        cands = by_key.get(key(rid), [])
+        pairs[rid] = cands[0] if len(cands) == 1 else None
+        if len(cands) > 1:
+            notes.append(f"run {rid}: {len(cands)} '{baseline}' runs have its setup "
+                         f"({_where(key(rid))}): {', '.join(cands)}; speedup, reward "
+                         f"delta and identity are NaN for it rather than a pick among them. Collect "
+                         f"only one of them, or run the baseline in the same run as the method.")
+        elif not cands:
+            missing.setdefault(key(rid), []).append(rid)
+    for k, rids in missing.items():
+        near = [b for b in with_base
+                if key(b)[:2] == k[:2] and key(b)[-1] == k[-1]]  # same trace, engine, sampling
+        why = (f" (baseline run(s) {', '.join(near)} ran with other engine settings or hardware, so "
+               f"they are not used)" if near else "")
+        notes.append(f"no '{baseline}' run with the same setup ({_where(k)}): speedup and reward "
+                     f"delta are NaN for run(s) {', '.join(rids)}{why}")
+    return pairs
+
+
+def _vs_baseline(per_step: pd.DataFrame, base_rollouts: pd.DataFrame, base_steps: pd.DataFrame,
+                 pairs: dict[str, str | None]) -> pd.DataFrame:
+    """Per-step rows with the paired baseline's wall time and reward: speedup, reward delta."""
+    base = summarize(base_rollouts, base_steps, ["run_id"], per_step=True)
+    base = base[["run_id", "step", "rollout_wall_s", "reward_mean"]].rename(
+        columns={"run_id": "baseline_run"})
+    per_step = per_step.assign(baseline_run=per_step["run_id"].map(pairs))
+    out = per_step.merge(base, on=["baseline_run", "step"], how="left", suffixes=("", "_baseline"))
     out["speedup"] = out["rollout_wall_s_baseline"] / out["rollout_wall_s"].where(out["rollout_wall_s"] > 0)
     out["reward_delta"] = out["reward_mean"] - out["reward_mean_baseline"]
-    for key, grp in out.groupby(list(GROUP), dropna=False):
-        if grp["rollout_wall_s_baseline"].isna().all():
-            notes.append(f"no '{baseline}' run with trace/engine/sampling {'/'.join(map(str, key))}:"
-                         f" speedup and reward delta are NaN there")
     return out
+
+
+def _verify_rule(config: dict, method: str) -> str | None:
+    verify = _method_section(config, method).get("verify")
+    return verify.get("rule") if isinstance(verify, dict) else None
+
+
+def _identity(table: pd.DataFrame, chosen: dict, pairs: dict, configs: dict, rollouts: pd.DataFrame,
+              baseline: str) -> pd.DataFrame:
+    """identity_rate and rule_divergences of every exact method on a coupled engine (else NaN)."""
+    from .precision import divergence_summary, near_tie_threshold
+    method_of = {(rid, label): m for (rid, m), label in chosen.items()}
+    rows = lambda rid, m: rollouts[(rollouts["run_id"] == rid) & (rollouts["method"] == m)]
+    rates, divergences = [], []
+    for rid, label, engine in zip(table["run_id"], table["method"], table["engine"]):
+        m, base_run = method_of.get((rid, label)), pairs.get(rid)
+        rule = _verify_rule(configs[rid], m) if m else None
+        result = {}
+        if (m != baseline and base_run is not None and engine in COUPLED_ENGINES
+                and rule is not None and rule != "ratio"):
+            section = configs[rid].get("engine")
+            dtype = (section.get("dtype") if isinstance(section, dict) else None) or "float32"
+            result = divergence_summary(rows(rid, m), rows(base_run, baseline), near_tie_threshold(dtype))
+        rates.append(result.get("identity_rate", np.nan))
+        div = result.get("rule_divergences")
+        divergences.append(np.nan if div is None else div)
+    return table.assign(identity_rate=np.array(rates, dtype=float),
+                        rule_divergences=np.array(divergences, dtype=float))
 
 
 def collect(paths: Iterable[str | Path], baseline: str = "baseline", progress: bool = True) -> Collection:
@@ -152,12 +258,17 @@ def collect(paths: Iterable[str | Path], baseline: str = "baseline", progress: b
     if steps.empty:
         raise RunFolderError(f"the runs under {', '.join(map(str, paths))} have no finished "
                              f"(step, method) unit yet; collect again when one has finished")
+    pairs = _pair(runs, steps, chosen, baseline, notes)
+    is_base = lambda d: (d["method"] == baseline) & d["run_id"].isin({b for b in pairs.values() if b})
+    base_rollouts, base_steps = rollouts[is_base(rollouts)], steps[is_base(steps)]
+    all_rollouts = rollouts
     keep = lambda d: d.loc[np.array([(r, m) in chosen for r, m in zip(d["run_id"], d["method"])],
                                     dtype=bool)].assign(
         method=lambda x: [chosen[(r, m)] for r, m in zip(x["run_id"], x["method"])])
     rollouts, steps = keep(rollouts), keep(steps)
     by = [*GROUP, "method"]
-    per_step = _vs_baseline(summarize(rollouts, steps, by, per_step=True), baseline, notes)
+    per_step = _vs_baseline(summarize(rollouts, steps, [*by, "run_id"], per_step=True),
+                            base_rollouts, base_steps, pairs)
     table = summarize(rollouts, steps, by)
     common = per_step.dropna(subset=["rollout_wall_s_baseline", "rollout_wall_s"])
     agg = common.groupby(by, dropna=False).agg(
@@ -168,6 +279,8 @@ def collect(paths: Iterable[str | Path], baseline: str = "baseline", progress: b
     table = table.merge(agg[by + ["speedup", "speedup_std", "reward_delta"]], on=by, how="left")
     used = steps.groupby(by, dropna=False)["run_id"].first().rename("run_id").reset_index()
     table = table.merge(used, on=by, how="left")
+    table["baseline_run"] = table["run_id"].map(pairs)
+    table = _identity(table, chosen, pairs, configs, all_rollouts, baseline)
     return Collection(runs, rollouts, steps, table, per_step, notes)
 
 
@@ -187,8 +300,10 @@ def to_markdown(df: pd.DataFrame) -> str:
 def report(col: Collection) -> str:
     """The results table as Markdown, one section per engine (then trace and sampling)."""
     parts = []
-    for (engine, trace, sampling), grp in col.table.groupby(["engine", "trace", "sampling"], sort=True):
-        parts.append(f"## engine {engine} · trace {trace} · {sampling}\n\n"
+    keys = ["engine", "trace", "sampling", "engine_config", "hardware"]
+    for (engine, trace, sampling, settings, hardware), grp in col.table.groupby(keys, sort=True):
+        setup = f"engine settings: {settings} · hardware: {hardware}"
+        parts.append(f"## engine {engine} · trace {trace} · {sampling}\n\n{setup}\n\n"
                      + to_markdown(grp[list(DISPLAY)]))
     if col.notes:
         parts.append("Notes:\n\n" + "".join(f"- {n}\n" for n in col.notes))
@@ -214,4 +329,5 @@ def main(argv: list[str] | None = None) -> Collection:
 
 
 if __name__ == "__main__":
-    main()
+    from .errors import run_main
+    run_main(main)

@@ -78,17 +78,25 @@ def unit_rows(step: int, method: str, engine: str = "torch_ref", trace: str = "t
 
 
 def run_config(engine: str = "torch_ref", trace: str = "tiny", methods=("baseline", "tree_cache"),
-               **sampling) -> dict:
-    return {"trace": {"name": trace}, "engine": {"name": engine},
-            "sampling": {**SAMPLING, **sampling}, "methods": list(methods)}
+               engine_settings: dict | None = None, rules: dict | None = None, **sampling) -> dict:
+    """A run's config.yaml; ``rules`` ({method: verify rule}) adds the ``method`` section."""
+    config = {"trace": {"name": trace}, "engine": {"name": engine, **(engine_settings or {})},
+              "sampling": {**SAMPLING, **sampling}, "methods": list(methods)}
+    if rules:
+        config["method"] = {m: {"verify": {"rule": rules.get(m, "exact")}} for m in methods}
+    return config
 
 
 def write_fake_run(root: Path, run_id: str, engine: str = "torch_ref", trace: str = "tiny",
                    methods=("baseline", "tree_cache"), steps: int = 3, wall_scale: float = 1.0,
-                   finish: bool = True, **sampling) -> Path:
-    """A complete run folder ``root/run_id`` with ``steps`` steps of each method."""
+                   finish: bool = True, engine_settings: dict | None = None,
+                   hardware: dict | None = None, rules: dict | None = None, **sampling) -> Path:
+    """A complete run folder ``root/run_id`` with ``steps`` steps of each method; ``hardware``
+    replaces this machine's in summary.json."""
     run_dir = Path(root) / run_id
-    writer = RunWriter(run_dir, run_config(engine, trace, methods, **sampling), {"trace": trace})
+    summary = {"trace": trace, **({"hardware": hardware} if hardware else {})}
+    writer = RunWriter(run_dir, run_config(engine, trace, methods, engine_settings, rules, **sampling),
+                       summary)
     for step in range(steps):
         for method in methods:
             rows, srow = unit_rows(step, method, engine, trace, wall_scale=wall_scale)

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bench.collect import collect, main
+from bench.collect import collect, main, report
 from bench.results import RunFolderError, load_run
 from bench.stats import accepted_lengths, summarize
 from results_fixtures import write_fake_run
@@ -119,3 +119,83 @@ def test_runs_without_finished_units_are_a_clear_error(tmp_path):
     RunWriter(tmp_path / "started", run_config(), {})
     with pytest.raises(RunFolderError, match="no finished"):
         collect([tmp_path], progress=False)
+
+
+HW = {"cpu": "Xeon 8480", "cores": 16, "platform": "Linux-6.1-x86_64"}
+
+
+def test_refuses_to_pair_runs_whose_engine_settings_or_hardware_differ(tmp_path):
+    one = {"device": "cpu", "dtype": "float32", "threads": 1}
+    write_fake_run(tmp_path, "base", methods=("baseline",), engine_settings=one, hardware=HW)
+    # the same machine after a kernel update: the platform string is not part of the hardware
+    same = write_fake_run(tmp_path, "tree_same", methods=("tree_cache",), engine_settings=one,
+                          hardware={**HW, "platform": "Linux-6.8-x86_64"})
+    write_fake_run(tmp_path, "tree_threads4", methods=("tree_cache",),
+                   engine_settings={**one, "threads": 4}, hardware=HW)
+    write_fake_run(tmp_path, "tree_gpu_box", methods=("tree_cache",), engine_settings=one,
+                   hardware={**HW, "gpu": "H100", "gpu_count": 1})
+    col = collect([tmp_path], progress=False)
+    t = col.table.set_index("run_id")
+    assert len(t) == 4  # one row per setup, none dropped as a duplicate of another
+    base_wall = _wall(tmp_path / "base", "baseline")
+    assert t.at["tree_same", "speedup"] == pytest.approx(base_wall.mean() / _wall(same, "tree_cache").mean())
+    assert t.at["tree_same", "baseline_run"] == "base"
+    for rid in ("tree_threads4", "tree_gpu_box"):
+        assert math.isnan(t.at[rid, "speedup"]) and math.isnan(t.at[rid, "reward_delta"])
+        assert pd.isna(t.at[rid, "baseline_run"])
+        assert any(n.startswith("no 'baseline' run with the same setup") and rid in n
+                   and "base ran with other engine settings or hardware" in n for n in col.notes)
+    assert "threads=4" in t.at["tree_threads4", "engine_config"]
+    assert "gpu=H100" in t.at["tree_gpu_box", "hardware"]
+    assert "platform" not in t.at["tree_same", "hardware"]
+    assert report(col).count("engine settings: ") == 3  # threads=1 x 2 machines, threads=4
+
+
+def test_several_matching_baselines_are_not_picked_from(tmp_path):
+    write_fake_run(tmp_path, "base_a", methods=("baseline",), hardware=HW)
+    write_fake_run(tmp_path, "base_b", methods=("baseline",), hardware=HW, wall_scale=0.5)
+    write_fake_run(tmp_path, "tree", methods=("tree_cache",), hardware=HW)
+    both = write_fake_run(tmp_path, "both", methods=("baseline", "history_spec"), hardware=HW)
+    col = collect([tmp_path], progress=False)
+    t = col.table.set_index("method")
+    assert math.isnan(t.at["tree_cache", "speedup"])
+    assert any("run tree: 3 'baseline' runs have its setup" in n and "base_a, base_b, both" in n
+               for n in col.notes)
+    # a method whose own run has the baseline is compared with that one
+    assert t.at["history_spec", "baseline_run"] == "both"
+    assert t.at["history_spec", "speedup"] == pytest.approx(
+        _wall(both, "baseline").mean() / _wall(both, "history_spec").mean())
+
+
+def test_identity_columns_for_exact_methods_on_a_coupled_engine(tmp_path):
+    from bench.results import RunWriter
+    from results_fixtures import run_config, unit_rows
+    methods = ("baseline", "tree_cache", "history_spec", "prefix_reuse")
+    rules = {"baseline": "exact", "tree_cache": "exact", "history_spec": "exact", "prefix_reuse": "ratio"}
+    writer = RunWriter(tmp_path / "ref", run_config(methods=methods, engine_settings={"dtype": "float32"},
+                                                   rules=rules), {})
+    for step in range(2):
+        for m in methods:
+            rows, srow = unit_rows(step, m)
+            for r in rows:
+                r["margins"] = [0.2] * len(r["output_tokens"])
+            if step == 1:  # slot (1, p0, 0): token 3 is a near-tie in the baseline
+                slot = rows[0]
+                slot["margins"][3] = 1e-7
+                if m in ("tree_cache", "history_spec"):  # both emit another token there
+                    slot["output_tokens"] = slot["output_tokens"][:3] + [99] + slot["output_tokens"][4:]
+                if m == "tree_cache":  # ... but tree_cache's is far from its CDF boundary: a rule bug
+                    slot["margins"][3] = 0.2
+            writer.write_unit(step, m, rows, srow)
+    writer.finish()
+    write_fake_run(tmp_path, "vllm_run", engine="vllm", methods=("baseline", "tree_cache"), rules=rules)
+    col = collect([tmp_path], progress=False)
+    t = col.table.set_index(["engine", "method"])
+    slots = 2 * 8
+    for m in ("tree_cache", "history_spec"):
+        assert t.at[("torch_ref", m), "identity_rate"] == pytest.approx((slots - 1) / slots)
+    assert t.at[("torch_ref", "tree_cache"), "rule_divergences"] == 1
+    assert t.at[("torch_ref", "history_spec"), "rule_divergences"] == 0  # a near-tie of float32
+    for blank in [("torch_ref", "baseline"), ("torch_ref", "prefix_reuse"), ("vllm", "tree_cache")]:
+        assert math.isnan(t.at[blank, "identity_rate"]) and math.isnan(t.at[blank, "rule_divergences"])
+    assert "| identity_rate | rule_divergences |" in report(col)
