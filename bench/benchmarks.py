@@ -5,6 +5,7 @@
     python -m bench.benchmarks suffix-tree    # suffix trie append / speculate cost per token
     python -m bench.benchmarks drafter-cost   # drafter time as a share of rollout time, default trace
     python -m bench.benchmarks near-ties      # CDF shift, batched/tree vs one-token forward, per dtype
+    python -m bench.benchmarks identity       # bf16 identity rate of every exact method, near-ties
 
 Each figure is the median of interleaved repeats; a ratio is the median of back-to-back pairs
 (min and max beside it), which holds when the machine's speed drifts.
@@ -350,6 +351,58 @@ def near_tie_shift(dtypes=("float64", "float32", "bfloat16", "float16"), vocab: 
     return rows
 
 
+IDENTITY_METHODS = ("baseline", "prefix_reuse_exact", "tree_cache", "tree_cache_tree", "history_spec",
+                    "suffix_global", "hybrid")
+
+
+def exact_identity(dtype: str = "bfloat16", vocab: int = 2048, hidden: int = 64, layers: int = 2,
+                   scale: float = 10.0, temperature: float = 0.2, prompts: int = 8, n: int = 4, steps: int = 3,
+                   new_tokens: int = 128, device: str = "cpu") -> list[dict]:
+    """Identity of every exact method (conf/method) to the baseline in one engine dtype, with its
+    divergences classified by ``bench.precision`` (near-ties vs rule divergences, which must be 0).
+
+    A random policy (``tiny_policy``, output layer x ``scale``, sampled at ``temperature`` so
+    rollouts repeat across visits and history drafters get drafts accepted); ``prompts`` x ``n``
+    rollouts per step, the same prompts revisited at each of ``steps`` steps, one drafter per
+    method across steps; plus the oracle (the baseline's own tokens as drafts: maximal drafting).
+    """
+    import hydra.utils
+    from omegaconf import OmegaConf
+    from . import precision
+    from .results import rollout_row
+    import pandas as pd
+    conf = Path(__file__).resolve().parent.parent / "conf" / "method"
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=new_tokens)
+    plist = {f"p{i}": [0] + [3 + (11 * i + 5 * j) % (vocab - 3) for j in range(4 + i % 5)] for i in range(prompts)}
+    thr = precision.near_tie_threshold(dtype)
+    frames: dict = {}
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        eng = TorchRefEngine(device=device, dtype=dtype)
+        eng.load(tiny_policy(Path(tmp) / "policy", vocab=vocab, hidden=hidden, layers=layers,
+                             heads=max(2, hidden // 64), scale=scale))
+        for name in IDENTITY_METHODS + ("oracle",):
+            drafter, rows = None, []
+            if name != "oracle":
+                drafter = hydra.utils.instantiate(OmegaConf.load(conf / f"{name}.yaml").drafter)
+            for step in range(1, steps + 1):
+                reqs = [Request(RolloutKey(p, i), toks, step) for p, toks in plist.items() for i in range(n)]
+                if name == "oracle":
+                    b = frames["baseline"]
+                    b = b[b.step == step]
+                    drafter = OracleDrafter({RolloutKey(p, int(i)): [int(t) for t in toks]
+                                             for p, i, toks in zip(b.prompt_id, b.sample_idx, b.output_tokens)})
+                drafter.begin_step(step)
+                rows += [rollout_row(r, method=name) for r in eng.rollout(reqs, sampling, drafter, VerifyConfig())]
+            frames[name] = df = pd.DataFrame(rows)
+            s = precision.divergence_summary(df, frames["baseline"], thr)
+            out.append({"method": name, "dtype": dtype, "rollouts": s["compared"],
+                        "accepted_per_rollout": df.num_accepted_tokens.sum() / len(df),
+                        "identity_rate": s["identity_rate"], "near_ties": s["near_ties"],
+                        "rule_divergences": s["rule_divergences"], "threshold": thr})
+    return out
+
+
 def _print(rows: list[dict]) -> None:
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
@@ -360,7 +413,8 @@ def _print(rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["engine-vs-hf", "oracle", "suffix-tree", "drafter-cost", "near-ties"])
+    ap.add_argument("which", choices=["engine-vs-hf", "oracle", "suffix-tree", "drafter-cost", "near-ties",
+                                      "identity"])
     ap.add_argument("--trace", default="countdown", help="drafter-cost: the bundled trace to replay")
     ap.add_argument("--steps", type=int, default=12, help="drafter-cost: steps to replay")
     ap.add_argument("--repeats", type=int, default=5)
@@ -370,7 +424,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=2, help="near-ties: decoder layers")
     ap.add_argument("--scale", type=float, default=1.0, help="near-ties: output-layer scale (sharper policy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="near-ties: sampling top_p")
-    ap.add_argument("--device", default="cpu", help="near-ties: torch device (cuda on a GPU machine)")
+    ap.add_argument("--device", default="cpu", help="near-ties, identity: torch device (cuda on a GPU machine)")
+    ap.add_argument("--dtype", default="bfloat16", help="identity: engine dtype")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
@@ -378,6 +433,8 @@ def main(argv=None) -> None:
         return _print(suffix_tree_cost())
     if args.which == "drafter-cost":
         return _print(drafter_cost(args.trace, args.steps))
+    if args.which == "identity":
+        return _print(exact_identity(dtype=args.dtype, device=args.device))
     if args.which == "near-ties":
         return _print(near_tie_shift(vocab=args.vocab, hidden=args.hidden, layers=args.layers, scale=args.scale,
                                      top_p=args.top_p, device=args.device))
