@@ -136,7 +136,7 @@ class TimedDrafter:
 
     def __getattr__(self, name):
         attr = getattr(self.inner, name)
-        if name not in ("begin_step", "start", "propose", "observe", "finish"):
+        if name not in ("begin_step", "start", "begin_iteration", "propose", "observe", "finish"):
             return attr
 
         def timed(*args, **kwargs):

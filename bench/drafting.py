@@ -1,5 +1,6 @@
-"""What every generation loop does around a drafter, written once: ask for a draft that fits the
-remaining length, and count drafts and accepted tokens the way vLLM's spec-decode counters do.
+"""What every generation loop does around a drafter, written once: report the live batch, ask for a
+draft that fits the remaining length, and count drafts and accepted tokens the way vLLM's
+spec-decode counters do.
 
 Used by the torch reference engine and the model-free simulator, so their counters agree by
 construction (``pytest tests/test_simulate.py``).
@@ -10,6 +11,14 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from methods.base import Draft, Drafter, RolloutKey
+
+
+def report_live(drafter: Drafter, live: Sequence[tuple[RolloutKey, int]]) -> None:
+    """Tell the drafter the live batch of this iteration, [(key, output length), ...] in batch
+    order, before any of its proposals (the optional ``begin_iteration`` hook, methods/base.py)."""
+    hook = getattr(drafter, "begin_iteration", None)
+    if hook is not None:
+        hook(live)
 
 
 def next_draft(drafter: Drafter, key: RolloutKey, output: Sequence[int], max_new_tokens: int) -> Draft:

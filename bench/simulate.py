@@ -1,6 +1,7 @@
 """Offline replay of recorded rollouts through drafters, no model: acceptance numbers for traces and run logs.
 
     python -m bench.simulate TRACE_OR_LOG_DIR --method tree_cache --method history_spec [--out FILE]
+    python -m bench.simulate TRACE_DIR --method tree_cache --method tree_cache:match=best   # a knob variant
 
 A recorded token is a sample of the target policy, so the draft tokens that match a rollout's
 recorded continuation are exactly what exact verification would accept (DESIGN.md section 1,
@@ -10,7 +11,9 @@ len(output) - 1``, ``Draft.truncated``), the accepted path (``bench.verify.desce
 recorded tokens as the samples: the deepest draft path whose tokens equal the recorded
 continuation, chains and trees) plus one more recorded token (the bonus), cut at the end of the
 recorded rollout, then ``observe`` for every row in order, then ``finish`` for rows whose
-recorded tokens are exhausted. The counters are the engine's, so ``bench.stats`` applies as is.
+recorded tokens are exhausted. Each iteration opens with ``bench.drafting.report_live`` (the
+live rows and their output lengths), as in the engine. The counters are the engine's, so
+``bench.stats`` applies as is.
 
 ``oracle_tokens_per_step`` is the best any copying drafter could do with the same cache contents:
 at each iteration a row's accepted length is the longest prefix of its remaining recorded tokens,
@@ -43,7 +46,7 @@ from methods.base import Draft, NullDrafter, Rollout, RolloutKey
 from methods.oracle import OracleDrafter
 from methods.suffix_tree import SuffixTrie
 
-from .drafting import DraftCounters, next_draft
+from .drafting import DraftCounters, next_draft, report_live
 from .errors import UserError
 from .stats import rollout_metrics, safe_div
 from .trace import iter_jsonl
@@ -97,8 +100,24 @@ class RecordedOracle(NullDrafter):
 # ---------------------------------------------------------------- methods
 
 def method_config(name: str):
-    """The method's config (``conf/method/<name>.yaml``); ``oracle`` is the built-in recorded oracle."""
+    """The method's config (``conf/method/<name>.yaml``); ``oracle`` is the built-in recorded oracle.
+
+    ``NAME:knob=value,knob=value`` is that config with drafter knobs overridden (values read as
+    YAML), e.g. ``tree_cache:match=best`` or ``seer:max_batch_draft_tokens=null``.
+    """
     from omegaconf import OmegaConf
+    if ":" in name:
+        import yaml
+        base, _, sets = name.partition(":")
+        cfg = method_config(base)
+        for item in filter(None, sets.split(",")):
+            knob, eq, value = item.partition("=")
+            if not eq or knob.strip() not in cfg.drafter:
+                raise SimulationError(f"method {name!r}: {item!r} is not knob=value for a knob of "
+                                      f"{base!r}; its knobs: {sorted(k for k in cfg.drafter if k != '_target_')}")
+            cfg.drafter[knob.strip()] = yaml.safe_load(value)
+        cfg.name = name
+        return cfg
     if name == "oracle":
         return OmegaConf.create({"name": "oracle", "drafter": {"_target_": "bench.simulate.RecordedOracle"},
                                  "verify": {"rule": "exact"}, "run_ahead": False})
@@ -202,6 +221,7 @@ def _run_step(drafter, step: int, rows: list[_Live], prompts: Mapping[str, list[
     finished: list[_Live] = []
     live = rows
     while live:
+        report_live(drafter, [(r.key, r.pos) for r in live])
         drafts = [next_draft(drafter, r.key, r.rec[:r.pos], max_new_tokens) for r in live]
         for r, d in zip(live, drafts):
             if r.pos < len(r.rec):
@@ -395,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("input", type=Path, help="a trace directory or a folder of per-step rollout logs")
     ap.add_argument("--method", action="append", required=True,
-                    help="a conf/method name, `oracle`, or `all` (every simulable method); repeatable")
+                    help="a conf/method name, `oracle`, or `all` (every simulable method); repeatable; "
+                         "NAME:knob=value,... overrides drafter knobs (e.g. tree_cache:match=best)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="draft budget cap (default: the trace's; for logs, the longest rollout)")
     ap.add_argument("--out", type=Path, help="write the per-step table (.csv or .parquet)")

@@ -9,7 +9,9 @@ registers the runner and a :class:`Session` here before driving a batch, and nam
 itself, so row i of the call is request ``runner.input_batch.req_ids[i]`` (vLLM appends
 ``-<8 random chars>`` to the id it was given). The session maps that id to the rollout's key and
 replays the Drafter protocol: ``observe`` the tokens the step emitted (cut at a stop token and at
-max_new_tokens), then ``propose`` with the output so far. Drafts must be chains: a tree draft is
+max_new_tokens), then ``propose`` with the output so far; each call first reports the live rows
+(``bench.drafting.report_live``; output lengths count the step's new tokens before any cut).
+Drafts must be chains: a tree draft is
 cut to its first root-to-leaf path (a proposal only, so this stays lossless). vLLM verifies the
 chain with its own rejection sampler, treating the draft as certain (probability-free), which is
 lossless in distribution. No vLLM import here: the module is imported by vLLM, not by the suite.
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from methods.base import Draft, Drafter, RolloutKey
+
+from ..drafting import report_live
 
 
 @dataclass
@@ -131,8 +135,10 @@ class SuiteProposer:
         if session is None or runner is None:
             return [[] for _ in sampled_token_ids]
         req_ids = runner.input_batch.req_ids
-        out = []
-        for i, new in enumerate(sampled_token_ids):
-            state = session.row(req_ids[i]) if i < len(req_ids) and req_ids[i] is not None else None
-            out.append(session.step(state, list(new))[:self.k] if state is not None else [])
-        return out
+        states = [session.row(req_ids[i]) if i < len(req_ids) and req_ids[i] is not None else None
+                  for i in range(len(sampled_token_ids))]
+        if session.drafter is not None:  # the live batch, with this step's tokens counted in
+            report_live(session.drafter, [(s.key, len(s.output) + len(new)) for s, new
+                                          in zip(states, sampled_token_ids) if s is not None and not s.done])
+        return [session.step(state, list(new))[:self.k] if state is not None else []
+                for state, new in zip(states, sampled_token_ids)]
