@@ -1,12 +1,19 @@
-"""SuffixDecoding as a control: one global trie of earlier responses plus each request's own prompt trie.
+"""SuffixDecoding as released: one global trie of responses (the running ones included) plus each request's own prompt trie.
 
     python -m pytest tests/test_drafters.py -q -k suffix_global
 
-The global trie holds the last ``max_cached_responses`` finished responses of every prompt (FIFO:
-the oldest is removed when a new one would exceed the cap); each running request has a trie of
-its own prompt + output. Both are asked with SuffixDecoding's rule and the higher score wins
-(the request's own trie on ties, as in ArcticInference's cache). SRT reports that this global
-cache slowed DAPO rollouts down: it is the negative control for per-prompt trees.
+As ArcticInference's ``SuffixDecodingCache`` does: ``start`` gives the request a trie of its own
+prompt and a slot in the global trie, evicting the oldest cached response (FIFO) when more than
+``max_cached_responses`` are held, running ones counted; every ``observe`` appends the new tokens
+to both (``add_active_response``), so other requests draft from a response while it is being
+generated; at ``finish`` the own trie is dropped and the response stays cached until evicted. Both
+tries are asked with SuffixDecoding's rule (best score over match lengths) on the request's
+context (prompt + output) and the global draft wins only on a strictly higher score. As in the
+native tree, match lengths stop one short of the pattern (the context's last ``max_depth``
+tokens), so a context shorter than the depth is never matched whole.
+``in_flight=False`` is the suite's earlier control: responses enter the global trie only when
+they finish. SRT reports that a global cache slowed DAPO rollouts down: it is the negative
+control for per-prompt trees.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ class SuffixGlobalDrafter(NullDrafter):
 
     def __init__(self, max_depth: int = 24, max_cached_responses: int = 10000,
                  max_spec_tokens: int = 24, factor: float = 1.0, offset: float = 0.0,
-                 min_prob: float = 0.1, tree: bool = False):
+                 min_prob: float = 0.1, tree: bool = False, in_flight: bool = True):
         self.max_depth = max_depth
         self.max_cached_responses = max_cached_responses
         self.max_spec_tokens = max_spec_tokens
@@ -34,12 +41,15 @@ class SuffixGlobalDrafter(NullDrafter):
         self.offset = offset
         self.min_prob = min_prob
         self.tree = tree
+        self.in_flight = in_flight
         self.global_trie = SuffixTrie(max_depth)
         self._cached: deque[int] = deque()  # global sequence ids, oldest first
         self._next_seq = 0
         self._own: dict[RolloutKey, SuffixTrie] = {}
-        self._matchers: dict[RolloutKey, ContextMatcher] = {}
+        self._matchers: dict[RolloutKey, ContextMatcher] = {}  # in_flight=False only
         self._prompt_len: dict[RolloutKey, int] = {}
+        self._active: dict[RolloutKey, int] = {}  # in_flight: running key -> its global sequence id
+        self._owner: dict[int, RolloutKey] = {}  # the reverse, to forget an evicted running response
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -51,30 +61,60 @@ class SuffixGlobalDrafter(NullDrafter):
         self._evictions = 0
 
     def begin_step(self, step: int) -> None:
-        self._own.clear()  # requests of the last step that never finished
+        self._own.clear()  # requests of the last step that never finished (their responses stay cached)
         self._matchers.clear()
         self._prompt_len.clear()
+        self._active.clear()
+        self._owner.clear()
 
     def start(self, key: RolloutKey, prompt: Sequence[int]) -> None:
         own = SuffixTrie(self.max_depth)
         own.extend(OWN, prompt)
         self._own[key] = own
-        self._matchers[key] = ContextMatcher(self.global_trie, prompt)
         self._prompt_len[key] = len(prompt)
+        if not self.in_flight:
+            self._matchers[key] = ContextMatcher(self.global_trie, prompt)
+        elif self.max_cached_responses > 0:
+            old = self._active.pop(key, None)  # a restart of a running key: its response stays cached
+            if old is not None:
+                self._owner.pop(old, None)
+            seq = self._cache_new()
+            self._active[key] = seq
+            self._owner[seq] = key
+
+    def _cache_new(self) -> int:
+        """A global slot for a new response; evicts the oldest cached ones beyond the cap."""
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        self._cached.append(seq)
+        while len(self._cached) > self.max_cached_responses:
+            old = self._cached.popleft()  # never the new one: the cap is >= 1 here
+            self.global_trie.remove(old)
+            owner = self._owner.pop(old, None)
+            if owner is not None:  # a running response evicted: it stops growing in the global trie
+                del self._active[owner]
+            self._evictions += 1
+        return seq
 
     def observe(self, key: RolloutKey, new_tokens: Sequence[int]) -> None:
         own = self._own.get(key)
-        if own is not None:
-            own.extend(OWN, new_tokens)
+        if own is None or not new_tokens:
+            return
+        own.extend(OWN, new_tokens)
+        if not self.in_flight:
             self._matchers[key].feed(new_tokens)
+        elif key in self._active:
+            self.global_trie.extend(self._active[key], new_tokens)
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
         """The better of the own-trie draft and the global-trie draft.
 
         Example: the global trie holds the earlier response [3, 4, 5]; a request with prompt
-        [1, 2] is at output [3]. Its own trie has [1, 2, 3] (3 has no continuation there); the
-        global match of [3] (share 1) drafts ``Draft([4])`` (budget 1 for match length 1;
-        [2, 3] does not occur globally).
+        [1, 2] is at output [3]. Its own trie has [1, 2, 3] (3 has no continuation there); in
+        the global trie [3] occurs twice, in [3, 4, 5] and in this request's own response so
+        far, so the length-1 match drafts ``Draft([4])`` (share 1/2, budget 1; [2, 3] occurs
+        nowhere). With ``in_flight=False`` its own response is not there yet and 4 has share 1.
+        A sibling that started at the same time and is at output [3, 4] already drafts from
+        this request's tokens as they arrive (in-flight insertion).
         """
         self._proposals += 1
         own = self._own.get(key)
@@ -84,9 +124,15 @@ class SuffixGlobalDrafter(NullDrafter):
         have = len(own.sequence(OWN)) - self._prompt_len[key] if OWN in own else 0
         if have < len(output):  # tokens the engine did not observe(): take them
             self.observe(key, output[have:])
+        elif have > len(output):
+            return Draft()
         args = (limit, self.factor, self.offset, self.min_prob, self.tree)
-        own_spec = own.speculate(own.own_matches(OWN), *args)
-        global_spec = self.global_trie.speculate(self._matchers[key].matches(), *args)
+        # as the native tree does, the longest suffix tried is one token shorter than the
+        # pattern (the last max_depth tokens of the context): a context shorter than the depth
+        # is never matched whole
+        longest = min(self._prompt_len[key] + len(output), self.max_depth) - 1
+        own_spec = own.speculate(own.own_matches(OWN)[:longest], *args)
+        global_spec = self.global_trie.speculate(self._global_matches(key, own)[:longest], *args)
         if own_spec.score >= global_spec.score:
             spec = own_spec
             self._own_wins += bool(spec.token_ids)
@@ -98,18 +144,37 @@ class SuffixGlobalDrafter(NullDrafter):
             self._draft_tokens += len(spec.token_ids)
         return spec.draft()
 
+    def _global_matches(self, key: RolloutKey, own: SuffixTrie) -> list[int]:
+        """Global-trie nodes of the suffixes of the request's context (prompt + output)."""
+        if not self.in_flight:
+            return self._matchers[key].matches()
+        context = own.sequence(OWN) if OWN in own else []
+        seq = self._active.get(key)
+        if seq is not None and seq in self.global_trie:  # its response is in there: start from it
+            return self.global_trie.context_matches(seq, context)
+        return self.global_trie.match(context[-self.max_depth:])
+
     def finish(self, key: RolloutKey, rollout: Rollout) -> None:
         self._own.pop(key, None)
         self._matchers.pop(key, None)
         self._prompt_len.pop(key, None)
-        if self.max_cached_responses <= 0 or not rollout.token_ids:
+        tokens = list(rollout.token_ids)
+        if self.max_cached_responses <= 0:
             return
-        self.global_trie.extend(self._next_seq, rollout.token_ids)
-        self._cached.append(self._next_seq)
-        self._next_seq += 1
-        while len(self._cached) > self.max_cached_responses:
-            self.global_trie.remove(self._cached.popleft())
-            self._evictions += 1
+        if not self.in_flight:
+            if tokens:
+                self.global_trie.extend(self._cache_new(), tokens)
+            return
+        seq = self._active.pop(key, None)
+        if seq is None:  # evicted while running, or a finish without start
+            return
+        del self._owner[seq]
+        have = self.global_trie.sequence(seq) if seq in self.global_trie else []
+        if have != tokens[:len(have)]:  # the observed tokens disagree: trust the final rollout
+            self.global_trie.remove(seq)
+            have = []
+        if len(have) < len(tokens):
+            self.global_trie.extend(seq, tokens[len(have):])
 
     def cached_sequence_ids(self) -> list[int]:
         return list(self._cached)

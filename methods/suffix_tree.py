@@ -242,6 +242,28 @@ class SuffixTrie:
         """For a sequence inside the trie its active nodes are its suffix matches, for free."""
         return self._active.get(seq_id, [])
 
+    def context_matches(self, seq_id: int, context: Sequence[int]) -> list[int]:
+        """``match(context)`` for a context that ends with sequence ``seq_id`` of this trie.
+
+        The sequence's active nodes give the suffixes up to its own length for free; only when
+        it is shorter than ``max_depth`` and the context is longer (a response just begun,
+        after its prompt) are the longer suffixes looked up, until one never occurred.
+        """
+        nodes = self._active.get(seq_id)
+        if nodes is None:
+            return self.match(context)
+        n, k = len(context), len(nodes)
+        limit = min(n, self.max_depth)
+        if k >= limit:
+            return nodes
+        out = list(nodes)
+        for m in range(k + 1, limit + 1):
+            node = self.find(context, n - m, n)
+            if node is None:
+                break
+            out.append(node)
+        return out
+
     # ----- drafting -----
     def speculate(self, matches: Sequence[int], max_spec_tokens: int, factor: float = 1.0,
                   offset: float = 0.0, min_prob: float = 0.1, tree: bool = False) -> Speculation:
@@ -275,6 +297,26 @@ class SuffixTrie:
         if best is None:
             return Speculation([], None, 0.0, best_m)
         return Speculation(best[0], best[1], best_score, best_m)
+
+    def speculate_longest(self, matches: Sequence[int], max_spec_tokens: int, factor: float = 1.0,
+                          offset: float = 0.0, min_prob: float = 0.1, tree: bool = False) -> Speculation:
+        """SRT's rule: draft from the longest match that has a continuation, whatever its score.
+
+        Same budget (min(max_spec_tokens, floor(m * factor + offset))), path and min_prob rules
+        as ``speculate``, but no comparison across match lengths: the longest m whose node has a
+        child and a positive budget wins outright (its draft may still be empty under min_prob).
+        """
+        for m in range(len(matches), 0, -1):
+            node = matches[m - 1]
+            budget = min(max_spec_tokens, int(m * factor + offset + 1e-6))
+            if budget <= 0 or self._top[node] < 0:
+                continue
+            if tree:
+                tokens, parents, score = self._expand_tree(node, budget, min_prob)
+            else:
+                (tokens, score), parents = self._follow_path(node, budget, min_prob), None
+            return Speculation(tokens, parents if tokens else None, score, m)
+        return NO_SPECULATION
 
     def speculate_first_hit(self, context: Sequence[int], window: int, min_match: int,
                             max_spec_tokens: int, min_prob: float) -> Speculation:

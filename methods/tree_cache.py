@@ -17,19 +17,28 @@ from typing import Sequence
 from .base import Draft, NullDrafter, Rollout, RolloutKey
 from .suffix_tree import START, ContextMatcher, SuffixTrie
 
+MATCH_RULES = ("longest", "best")  # SRT's paper / SuffixDecoding's best score over match lengths
+
 
 class TreeCacheDrafter(NullDrafter):
     """Longest-suffix drafting from the rollout's own per-prompt trie (SRT defaults).
 
     ``in_flight=False`` inserts rollouts only at ``finish`` (SRT's "history only" ablation);
-    ``history=False`` empties the tries at every step ("in-flight only").
+    ``history=False`` empties the tries at every step ("in-flight only"). ``match`` picks the
+    match length: ``"longest"`` (SRT's paper: the longest suffix of the context that has a
+    continuation drafts, ``SuffixTrie.speculate_longest``) or ``"best"`` (SuffixDecoding's
+    rule: the best score over every match length, ``SuffixTrie.speculate``).
     """
 
     name = "tree_cache"
 
     def __init__(self, max_depth: int = 64, max_spec_tokens: int = 24, factor: float = 1.0,
                  offset: float = 0.0, min_prob: float = 0.1, tree: bool = False,
-                 in_flight: bool = True, history: bool = True, run_ahead: bool = False):
+                 in_flight: bool = True, history: bool = True, run_ahead: bool = False,
+                 match: str = "longest"):
+        if match not in MATCH_RULES:
+            raise ValueError(f"match must be one of {MATCH_RULES}, got {match!r}")
+        self.match = match
         self.max_depth = max_depth
         self.max_spec_tokens = max_spec_tokens
         self.factor = factor
@@ -87,11 +96,19 @@ class TreeCacheDrafter(NullDrafter):
 
         Example: an earlier rollout of the prompt was [5, 6, 7, 8]; a sibling is at output [5, 6].
         Its context [START, 5, 6] occurs once before (plus itself, which has no continuation), so
-        every match length gives share 1/2 for 7, then 1 for 8; the match of length 3 (budget 3)
-        drafts ``Draft([7, 8])`` with score 0.5 + 0.5 = 1.0.
+        the longest match, length 3 (budget 3), has share 1/2 for 7, then 1 for 8: it drafts
+        ``Draft([7, 8])`` with score 0.5 + 0.5 = 1.0.
+        The rules differ when a shorter match is more common: earlier rollouts [7, 1, 2, 9],
+        [1, 2, 3, 4] twice, now at output [7, 1, 2]. The longest match [START, 7, 1, 2] (2
+        occurrences, one continued by 9) drafts [9] under ``match="longest"`` (score 0.5); under
+        ``match="best"`` the length-2 match [1, 2] (4 occurrences, 3 follows twice) drafts
+        [3, 4] with score 0.5 + 0.5 = 1.0 and wins.
         """
         self._proposals += 1
-        limit = min(self.max_spec_tokens, budget)
+        return self._draft(key, output, min(self.max_spec_tokens, budget))
+
+    def _draft(self, key: RolloutKey, output: Sequence[int], limit: int) -> Draft:
+        """The draft of at most ``limit`` tokens (what subclasses with other budgets call)."""
         trie = self._tries.get(key.prompt_id)
         if trie is None or limit <= 0:
             return Draft()
@@ -110,7 +127,8 @@ class TreeCacheDrafter(NullDrafter):
             if matcher is None:
                 return Draft()
             matches = matcher.matches()
-        spec = trie.speculate(matches, limit, self.factor, self.offset, self.min_prob, self.tree)
+        rule = trie.speculate_longest if self.match == "longest" else trie.speculate
+        spec = rule(matches, limit, self.factor, self.offset, self.min_prob, self.tree)
         if spec.token_ids:
             self._drafts += 1
             self._draft_tokens += len(spec.token_ids)

@@ -201,7 +201,8 @@ def test_history_spec_aimd_doubles_to_16_and_halves_to_2():
 # ----- suffix decoding (global control) -----
 
 def test_suffix_global_evicts_the_oldest_response_first():
-    d = SuffixGlobalDrafter(max_cached_responses=2)
+    # the earlier control (responses cached at finish), where a running request holds no slot
+    d = SuffixGlobalDrafter(max_cached_responses=2, in_flight=False)
     d.begin_step(0)
     drive(d, RolloutKey("a", 0), [1, 2, 3])
     drive(d, RolloutKey("b", 0), [4, 5, 6])
@@ -228,6 +229,64 @@ def test_suffix_global_uses_the_own_prompt_trie_when_it_scores_better():
     # a tie, and the own trie wins ties
     assert d.propose(P0, [], 24) == Draft([5, 3])
     assert d.stats()["own_wins"] == 1
+
+
+def test_suffix_global_as_released_drafts_from_a_running_response():
+    d = SuffixGlobalDrafter()
+    d.begin_step(0)
+    drive(d, RolloutKey("a", 0), [3, 4, 5, 6], finish=False)  # request a is still running
+    q = RolloutKey("q", 0)
+    d.start(q, [9])
+    d.observe(q, [3])
+    # a's tokens entered the global trie as they were generated (add_active_response); [3]
+    # occurs there twice, in a's response and in q's own so far, and 4 follows one: share
+    # 1/2, budget 1 for match length 1. q's own trie [9, 3] has no continuation of [3]
+    assert d.propose(q, [3], 24) == Draft([4])
+    control = SuffixGlobalDrafter(in_flight=False)
+    control.begin_step(0)
+    drive(control, RolloutKey("a", 0), [3, 4, 5, 6], finish=False)
+    control.start(q, [9])
+    control.observe(q, [3])
+    assert control.propose(q, [3], 24) == Draft()  # the control sees a only once it finishes
+
+
+def test_suffix_global_as_released_takes_a_slot_at_start_and_evicts_fifo():
+    d = SuffixGlobalDrafter(max_cached_responses=2)
+    d.begin_step(0)
+    drive(d, RolloutKey("a", 0), [1, 2, 3])
+    drive(d, RolloutKey("b", 0), [4, 5, 6])
+    d.start(P0, [0])  # P0's slot is the third: a's [1, 2, 3] is evicted now, not at P0's finish
+    assert d.cached_sequence_ids() == [1, 2] and d.stats()["evictions"] == 1
+    d.observe(P0, [1])
+    assert d.propose(P0, [1], 24) == Draft()  # [1] occurs only in P0's own response: no continuation
+    d.start(P1, [0])  # fourth slot: b is evicted, P0 (running) is now the oldest
+    d.start(RolloutKey("c", 0), [0])  # fifth: P0's running response is evicted and stops growing
+    assert d.cached_sequence_ids() == [3, 4] and d.stats()["evictions"] == 3
+    d.observe(P0, [2, 7])
+    d.observe(P1, [1, 2])
+    # P0's tokens never reached the global trie after its eviction: P1's [1, 2] is only its own
+    assert d.propose(P1, [1, 2], 24) == Draft()
+    d.finish(P0, rollout(P0, [1, 2, 7]))
+    assert d.cached_sequence_ids() == [3, 4]
+
+
+# ----- SRT's match rule -----
+
+def test_tree_cache_longest_match_wins_even_where_a_shorter_one_scores_better():
+    drafts = {}
+    for rule in ("longest", "best"):
+        d = TreeCacheDrafter(match=rule)
+        d.begin_step(0)
+        for i, target in enumerate([[7, 1, 2, 9], [1, 2, 3, 4], [1, 2, 3, 4]]):
+            drive(d, RolloutKey("p", i), target)
+        d.begin_step(1)
+        d.start(P0, [0])
+        d.observe(P0, [7, 1, 2])
+        drafts[rule] = d.propose(P0, [7, 1, 2], 24)
+    # the longest match [START, 7, 1, 2] (2 occurrences: rollout 0 and this one) continues
+    # with 9 at share 1/2: SRT drafts [9] (score 0.5); the best-score rule prefers the
+    # length-2 match [1, 2] (4 occurrences, 3 follows twice, then 4): [3, 4], score 1.0
+    assert drafts == {"longest": Draft([9]), "best": Draft([3, 4])}
 
 
 # ----- hybrid (ours) -----
@@ -283,6 +342,22 @@ def test_config_instantiates_and_runs_the_protocol(path):
         assert all(isinstance(v, (int, float)) for v in stats.values())
     if cfg.name == "tree_cache_runahead":
         assert drafter.run_ahead is True
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_drafter_state_pickles_and_resumes_identically(path):
+    import pickle
+    drafter = instantiate(OmegaConf.load(path).drafter)
+    responses = [[1, 2, 3, 4, 1, 2, 3, 5], [1, 2, 3, 4, 1, 2, 9]]
+    for step in range(2):
+        drafter.begin_step(step)
+        for i, target in enumerate(responses):
+            drive(drafter, RolloutKey("p", i), target, step=step)
+    copy = pickle.loads(pickle.dumps(drafter))  # plain Python state only: what the harness snapshots
+    for d in (drafter, copy):
+        d.begin_step(2)
+    for i, target in enumerate(responses):  # the copy drafts exactly what the original drafts
+        assert drive(copy, RolloutKey("p", i), target, step=2) == drive(drafter, RolloutKey("p", i), target, step=2)
 
 
 def test_every_drafter_has_flat_numeric_stats():

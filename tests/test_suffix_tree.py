@@ -187,6 +187,30 @@ def test_context_matcher_follows_a_growing_context_and_rematches_after_changes()
         assert matcher.matches() == trie.match(context)
 
 
+def test_context_matches_of_an_inserted_sequence_equal_a_fresh_match():
+    rng = random.Random(4)
+    trie = SuffixTrie(6)
+    for i in range(20):
+        trie.extend(i, [rng.randrange(3) for _ in range(rng.randrange(1, 12))])
+    for i in range(20):
+        prompt = [rng.randrange(3) for _ in range(rng.randrange(0, 8))]
+        # a response shorter than the depth: longer suffixes reach into the prompt
+        assert trie.context_matches(i, prompt + trie.sequence(i)) == trie.match(prompt + trie.sequence(i))
+
+
+def test_longest_rule_drafts_from_the_longest_match_with_a_continuation():
+    trie = trie_of([7, 1, 2, 9], [1, 2, 3, 4], [1, 2, 3, 4])
+    matches = trie.match([5, 7, 1, 2])  # [2], [1, 2], [7, 1, 2]; [5, 7, 1, 2] never occurred
+    # [7, 1, 2] (budget 3) continues with 9 only, and wins although [1, 2] -> [3, 4] scores more
+    spec = trie.speculate_longest(matches, 24)
+    assert spec.token_ids == [9] and spec.match_len == 3 and spec.score == 1.0
+    trie.extend(3, [6, 2])
+    # [6, 2] occurs once, where sequence 3 ends: no continuation, so the next shorter match
+    # drafts: [2] (4 occurrences) is followed by 3 twice, by 9 once: [3] at share 1/2 (budget 1)
+    spec = trie.speculate_longest(trie.match([6, 2]), 24)
+    assert spec.token_ids == [3] and spec.match_len == 1 and spec.score == 0.5
+
+
 def native_or_skip(depth):
     try:
         return NativeSuffixTree(depth)
@@ -223,3 +247,113 @@ def test_pure_python_drafts_equal_native_ones(tree):
                 assert trie.count_of(child) == trie.count_of(trie.top_child(node))
                 node = child
     assert same > 0.9 * 3000, f"only {same} of 3000 drafts identical"
+
+
+class ReleasedCache:
+    """ArcticInference's SuffixDecodingCache call sequence on the native tree: a local tree of
+    prompt + response per request, a global slot taken at start (FIFO eviction over cached and
+    running responses), add_active_response into both, the global draft on a strictly higher
+    score, the response kept at stop."""
+
+    def __init__(self, depth, max_cached):
+        self.depth, self.max_cached = depth, max_cached
+        self.global_tree = NativeSuffixTree(depth)
+        self.local, self.slot, self.order, self.filled = {}, {}, [], set()
+
+    def start(self, req, prompt):
+        tree = NativeSuffixTree(self.depth)
+        tree.extend(0, prompt)
+        self.local[req] = (tree, list(prompt))
+        seq = len(self.order)
+        self.slot[req] = seq
+        self.order.append((req, seq))
+        cached = [(r, s) for r, s in self.order if s is not None]
+        while len(cached) > self.max_cached:
+            r, s = cached.pop(0)
+            if s in self.filled:
+                self.global_tree.remove(s)
+                self.filled.discard(s)
+            self.order[s] = (r, None)
+            if self.slot.get(r) == s:
+                del self.slot[r]
+
+    def add_active_response(self, req, tokens):
+        tree, context = self.local[req]
+        tree.extend(0, tokens)
+        context += tokens
+        if req in self.slot:
+            self.global_tree.extend(self.slot[req], tokens)
+            self.filled.add(self.slot[req])
+
+    def speculate(self, req, k):
+        tree, context = self.local[req]
+        pattern = context[-self.depth:]
+        own = tree.speculate(pattern, k, 1.0, 0.0, 0.1, False)
+        glob = self.global_tree.speculate(pattern, k, 1.0, 0.0, 0.1, False)
+        return own, glob
+
+    def stop(self, req):
+        del self.local[req]
+
+
+def _tie_explained(trie, matches, spec):
+    """A native draft that differs from ours only by following equal-count children."""
+    assert spec.match_len <= len(matches), "the native tree matched a suffix ours did not"
+    node = matches[spec.match_len - 1]
+    for token in spec.token_ids:
+        child = trie.children(node)[token]
+        assert trie.count_of(child) == trie.count_of(trie.top_child(node))
+        node = child
+
+
+def test_suffix_global_drafts_equal_the_native_released_cache():
+    from methods.base import Rollout, RolloutKey
+    from methods.suffix_global import OWN, SuffixGlobalDrafter
+    depth, cap, k = 12, 40, 8
+    native_or_skip(depth)
+    native = ReleasedCache(depth, cap)
+    ours = SuffixGlobalDrafter(max_depth=depth, max_cached_responses=cap, max_spec_tokens=k)
+    ours.begin_step(0)
+    rng = random.Random(5)
+    phrases = [[rng.randrange(6) for _ in range(5)] for _ in range(4)]  # responses repeat phrases
+    running, calls, same = {}, 0, 0
+    for req in range(600):
+        key = RolloutKey(f"q{req % 7}", req)
+        prompt = [rng.randrange(6) for _ in range(rng.randrange(1, 6))]
+        native.start(req, prompt)
+        ours.start(key, prompt)
+        running[req] = (key, prompt, [], rng.randrange(5, 40))
+        for r, (rk, rprompt, output, length) in list(running.items()):
+            theirs_own, theirs_global = native.speculate(r, k)
+            own = ours._own[rk]
+            longest = min(len(rprompt) + len(output), depth) - 1  # the native stops one short of the pattern
+            mine_own = own.speculate(own.own_matches(OWN)[:longest], k, 1.0, 0.0, 0.1)
+            global_matches = ours._global_matches(rk, own)[:longest]
+            mine_global = ours.global_trie.speculate(global_matches, k, 1.0, 0.0, 0.1)
+            draft = ours.propose(rk, list(output), k)
+            theirs = theirs_global if theirs_global.score > theirs_own.score else theirs_own
+            calls += 1
+            if theirs.token_ids == draft.token_ids:
+                same += 1
+            for m, t, trie, matches in ((mine_own, theirs_own, own, own.own_matches(OWN)[:longest]),
+                                        (mine_global, theirs_global, ours.global_trie, global_matches)):
+                if t.token_ids == m.token_ids:
+                    assert t.score == pytest.approx(m.score, rel=1e-5)
+                else:
+                    _tie_explained(trie, matches, t)
+            new = rng.choice(phrases)[:rng.randrange(1, 4)] if rng.random() < 0.7 else [rng.randrange(6)]
+            new = new[:length - len(output)]
+            output += new
+            native.add_active_response(r, new)
+            ours.observe(rk, new)
+            if len(output) >= length:
+                native.stop(r)
+                ours.finish(rk, Rollout(rk, 0, rprompt, list(output), [0.0] * len(output), "length"))
+                del running[r]
+        if len(running) > 6:  # keep a handful running at once
+            r = next(iter(running))
+            rk, rprompt, output, _ = running.pop(r)
+            native.stop(r)
+            ours.finish(rk, Rollout(rk, 0, rprompt, list(output), [0.0] * len(output), "length"))
+    assert ours.stats()["evictions"] > 0 and ours.stats()["global_wins"] > 0
+    assert same > 0.9 * calls, f"only {same} of {calls} drafts identical"
