@@ -13,6 +13,8 @@ from methods.base import Draft, Drafter, Rollout, RolloutKey
 from methods.history_spec import HistorySpecDrafter
 from methods.hybrid import HybridDrafter
 from methods.prefix_reuse import PrefixReuseDrafter
+from methods.das import DASDrafter
+from methods.seer import SeerDrafter
 from methods.suffix_global import SuffixGlobalDrafter
 from methods.tree_cache import TreeCacheDrafter
 
@@ -289,6 +291,133 @@ def test_tree_cache_longest_match_wins_even_where_a_shorter_one_scores_better():
     assert drafts == {"longest": Draft([9]), "best": Draft([3, 4])}
 
 
+# ----- DAS -----
+
+def test_das_window_ages_out_rollouts_of_old_steps():
+    # every request long (thresholds 0 tokens), no recency copies: only the window acts
+    d = DASDrafter(window_steps=2, recent_weight=1, length_unit="tokens", short_max=0, long_min=0)
+    d.begin_step(0)
+    drive(d, P0, [1, 2, 3])
+    d.begin_step(1)
+    # [START] occurs twice (step 0's rollout and this one): 1 at share 1/2, then 2; budget
+    # floor(1 x factor 2.0) = 2
+    assert drive(d, P0, [7, 8, 9], step=1)[0] == [1, 2]
+    d.begin_step(2)
+    # step 0 is 2 steps old: aged out. Only step 1's [7, 8, 9] is left to draft from (SRT's
+    # tree would still rank 1 first: 1 and 7 tie, the earlier-inserted wins)
+    d.start(P0, [0])
+    assert d.propose(P0, [], 24) == Draft([7, 8])
+    assert d.stats()["window_sequences"] == 2  # step 1's rollout and this running one
+
+
+def test_das_recent_rollouts_count_twice_until_they_age():
+    drafts = {}
+    for weight in (2, 1):
+        d = DASDrafter(recent_steps=2, recent_weight=weight, length_unit="tokens", short_max=0, long_min=0)
+        d.begin_step(0)
+        drive(d, P0, [1, 2])
+        d.begin_step(1)
+        drive(d, P0, [3, 4], step=1)
+        d.begin_step(2)  # step 0's copy expires here, step 1's is still fresh
+        d.start(P0, [0])
+        drafts[weight] = d.propose(P0, [], 24)
+    # weight 2: [START] is followed by 1 once (step 0) and by 3 twice (step 1 and its copy):
+    # 3 wins at share 2/4, then 4. Weight 1: 1 and 3 once each, the earlier-inserted 1 wins
+    assert drafts == {2: Draft([3, 4]), 1: Draft([1, 2])}
+
+
+def test_das_length_classes_set_the_budget_and_running_requests_are_upgraded():
+    d = DASDrafter(length_unit="tokens", short_max=3, long_min=6, long_budget=24, medium_budget=2,
+                   short_budget=0, recent_weight=1)
+    d.begin_step(0)
+    long_, medium, short = RolloutKey("l", 0), RolloutKey("m", 0), RolloutKey("s", 0)
+    drive(d, long_, [1, 2, 3, 4, 5, 6, 7, 8])  # 8 tokens: long from the next step
+    drive(d, medium, [1, 2, 3, 4, 5])  # 5: medium
+    drive(d, short, [1, 2])  # 2: short
+    fresh, sibling = RolloutKey("u", 0), RolloutKey("u", 1)
+    drive(d, fresh, list(range(1, 11)))  # prompt u finished once, but its class waits for the next step
+    d.start(sibling, [0])
+    d.observe(sibling, [1, 2, 3])
+    # u is unseen as the step began: medium, at most 2 tokens although the match allows 8
+    assert d.propose(sibling, [1, 2, 3], 24) == Draft([4, 5])
+    d.observe(sibling, [4, 5, 6])
+    # its own output reached 6 tokens: upgraded to long, the match length 7 allows 14
+    assert d.propose(sibling, [1, 2, 3, 4, 5, 6], 24) == Draft([7, 8, 9, 10])
+    d.begin_step(1)
+    d.reset_stats()  # as the harness does at every step
+    for key, budget_draft in ((long_, [4, 5, 6, 7, 8]), (medium, [4, 5])):
+        d.start(key, [0])
+        d.observe(key, [1, 2, 3])
+        # [START, 1, 2, 3] continues as last visit did (share 1/2); match length 4 x 2.0 = 8
+        # tokens allowed, then the class budget: long 24 (the old rollout's end cuts it), medium 2
+        assert d.propose(key, [1, 2, 3], 24) == Draft(budget_draft)
+    d.start(short, [0])
+    assert d.propose(short, [], 24) == Draft()  # short: no draft, though [START] -> 1 is in the trie
+    s = d.stats()
+    assert (s["short_proposals"], s["medium_proposals"], s["long_proposals"]) == (1, 1, 1)
+
+
+def test_das_thresholds_scale_with_the_rollout_cap():
+    d = DASDrafter()  # short below 1/16 of the cap, long from 1/4
+    d.begin_step(0)
+    d.start(P0, [0])
+    d.propose(P0, [], 23)  # the engine's budget at output [] is cap - 1: the cap is 24
+    d.finish(P0, rollout(P0, [1] * 9))
+    assert d.stats()["length_cap"] == 24
+    d.begin_step(1)
+    # 9 tokens >= 24 / 4: long; an unseen prompt is medium; 1 token < 24 / 16: short
+    assert d.length_class("p", 0) == 2 and d.length_class("other", 0) == 1 and d.length_class("other", 6) == 2
+
+
+# ----- Seer -----
+
+def test_seer_hands_the_pool_to_the_longest_running_rows_first():
+    got = {}
+    for pool in (3, 2, None):
+        d = SeerDrafter(max_batch_draft_tokens=pool)
+        d.begin_step(0)
+        drive(d, RolloutKey("p", 0), [5, 6, 7, 8, 9])
+        s1, s2 = RolloutKey("p", 1), RolloutKey("p", 2)
+        for key, out in ((s1, [5, 6, 7]), (s2, [5])):
+            d.start(key, [0])
+            d.observe(key, out)
+        d.begin_iteration([(s2, 1), (s1, 3)])  # batch order does not matter: length does
+        got[pool] = (d.propose(s2, [5], 24), d.propose(s1, [5, 6, 7], 24))
+    # sibling 1 has run longest: [START, 5, 6, 7] -> [8, 9] (share 1/2 each) comes out of the
+    # pool first. Pool 3 leaves 1 token for sibling 2 ([START, 5]: 6 follows 2 of its 3
+    # occurrences, then 7): [6]; pool 2 leaves none; no pool: sibling 2 gets its full [6, 7]
+    assert got[3] == (Draft([6]), Draft([8, 9]))
+    assert got[2] == (Draft(), Draft([8, 9]))
+    assert got[None] == (Draft([6, 7]), Draft([8, 9]))
+
+
+def test_seer_group_trie_holds_this_steps_siblings_only():
+    for history, expected in ((False, Draft()), (True, Draft([1]))):
+        d = SeerDrafter(history=history)
+        d.begin_step(0)
+        drive(d, P0, [1, 2, 3])
+        d.begin_step(1)
+        d.start(P0, [0])
+        d.begin_iteration([(P0, 0)])
+        # the group's trie starts empty each step; with history the last visit's [1, 2, 3]
+        # gives [START] -> 1 (share 1/2, budget 1)
+        assert d.propose(P0, [], 24) == expected
+
+
+def test_seer_without_the_engine_hook_drafts_per_row():
+    d = SeerDrafter(max_batch_draft_tokens=0)
+    d.begin_step(0)
+    drive(d, P0, [5, 6, 7, 8])
+    d.reset_stats()
+    d.start(P1, [0])
+    d.observe(P1, [5, 6])
+    # no begin_iteration this iteration: no pool to share, the plain tree-cache draft
+    assert d.propose(P1, [5, 6], 24) == Draft([7, 8])
+    assert d.stats()["unallocated_proposals"] == 1
+    d.begin_iteration([(P1, 2)])
+    assert d.propose(P1, [5, 6], 24) == Draft()  # pool 0: nobody drafts
+
+
 # ----- hybrid (ours) -----
 
 def test_hybrid_drafts_the_old_response_first_and_the_tree_afterwards():
@@ -320,7 +449,7 @@ CONFIGS = sorted((ROOT / "conf" / "method").glob("*.yaml"))
 def test_all_method_configs_exist():
     names = {p.stem for p in CONFIGS}
     assert {"baseline", "prefix_reuse", "prefix_reuse_exact", "tree_cache", "tree_cache_tree",
-            "tree_cache_runahead", "history_spec", "suffix_global", "hybrid"} <= names
+            "tree_cache_runahead", "history_spec", "suffix_global", "hybrid", "das", "seer"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -362,7 +491,7 @@ def test_drafter_state_pickles_and_resumes_identically(path):
 
 def test_every_drafter_has_flat_numeric_stats():
     for drafter in (PrefixReuseDrafter(), TreeCacheDrafter(), HistorySpecDrafter(),
-                    SuffixGlobalDrafter(), HybridDrafter()):
+                    SuffixGlobalDrafter(), HybridDrafter(), DASDrafter(), SeerDrafter()):
         stats = drafter.stats()
         assert stats and all(isinstance(v, (int, float)) for v in stats.values())
         assert "cache_bytes" in stats
@@ -370,7 +499,7 @@ def test_every_drafter_has_flat_numeric_stats():
 
 def test_propose_before_start_is_harmless():
     for drafter in (PrefixReuseDrafter(), TreeCacheDrafter(), HistorySpecDrafter(),
-                    SuffixGlobalDrafter(), HybridDrafter()):
+                    SuffixGlobalDrafter(), HybridDrafter(), DASDrafter(), SeerDrafter()):
         assert drafter.propose(P0, [1, 2], 8) == Draft()
         drafter.observe(P0, [1, 2])
 

@@ -24,7 +24,7 @@ from methods.baseline import Baseline
 from methods.oracle import OracleDrafter
 
 EXACT = ["baseline", "prefix_reuse_exact", "tree_cache", "tree_cache_tree", "tree_cache_runahead",
-         "history_spec", "suffix_global", "hybrid"]
+         "history_spec", "suffix_global", "hybrid", "das", "seer"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -55,7 +55,10 @@ def test_every_exact_method_is_token_identical_to_baseline(tmp_path, sampling):
         assert outputs(run_dir, "prefix_reuse") != base
     _, _, rows, steps = load_run(run_dir)
     # speculation really happened, and the baseline did none
-    assert steps.groupby("method")["num_accepted_tokens"].sum().drop("baseline").min() > 0
+    accepted = steps.groupby("method")["num_accepted_tokens"].sum().drop("baseline")
+    if sampling == "greedy":  # identical siblings in lockstep: seer's tree of this step's group never runs ahead
+        accepted = accepted.drop("seer")
+    assert accepted.min() > 0
     assert steps.loc[steps["method"] == "baseline", "num_drafts"].sum() == 0
     if sampling == "trace":  # recorded with coupled sampling: the replay reproduces the recording
         assert steps.loc[steps["method"] == "baseline", "recorded_match_rate"].min() == 1.0

@@ -151,7 +151,8 @@ def test_ratio_rule_is_refused():
 # (method, drafter overrides, history only). Given identical tokens the engine and the simulation
 # call the drafter in the same order, so in-flight methods agree exactly too (seen on the tiny trace).
 CASES = [("history_spec", {}, True), ("prefix_reuse_exact", {}, True), ("tree_cache", {"in_flight": False}, True),
-         ("tree_cache", {}, False), ("hybrid", {}, False)]
+         ("tree_cache", {}, False), ("hybrid", {}, False), ("suffix_global", {}, False), ("das", {}, False),
+         ("seer", {}, False), ("seer", {"max_batch_draft_tokens": 8}, False)]
 COUNTERS = ["num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_forward_passes"]
 
 
