@@ -35,6 +35,8 @@ def cfg_for(*overrides):
 
 def outputs(run_dir, method):
     _, _, rows, _ = load_run(run_dir)
+    if "run_ahead" in rows:  # run-ahead rollouts only feed caches: not the slots being compared
+        rows = rows[~rows["run_ahead"].fillna(False).astype(bool)]
     rows = rows[rows["method"] == method].sort_values(["step", "prompt_id", "sample_idx"])
     return {(s, p, i): list(t) for s, p, i, t in zip(rows["step"], rows["prompt_id"], rows["sample_idx"],
                                                        rows["output_tokens"])}
