@@ -26,7 +26,7 @@ from .verify import VerifyConfig
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 # keys that change where or how verbosely a run is written, not what it measures
-NOT_IDENTITY = ("run_id", "results_root", "figures_root", "progress", "plots")
+NOT_IDENTITY = ("run_id", "results_root", "figures_root", "progress", "plots", "predict")
 
 
 def load_trace(cfg: DictConfig):
@@ -282,12 +282,33 @@ def run(cfg: DictConfig) -> Path:
     sources = [run_dir] if "baseline" in cfg.method else [root]
     col = collect(sources, progress=False)
     print(report(col))
+    predicted = _predictions(cfg, run_dir)
     if cfg.plots:
         from .plots import make_figures
         fig_dir = Path(hydra.utils.to_absolute_path(cfg.figures_root)) / run_id
         paths = make_figures(col, fig_dir, progress=False)
+        if predicted is not None:
+            from .latency import prediction_figure
+            paths.append(prediction_figure(predicted, fig_dir / "predicted_speedup.png"))
         print(f"{len(paths)} figure files in {fig_dir}", file=sys.stderr)
     return run_dir
+
+
+def _predictions(cfg: DictConfig, run_dir: Path):
+    """Print the 'predicted speedups' section for ``cfg.predict`` targets (runs with a baseline and
+    an iteration log only); returns the summary for the figure, or None."""
+    targets = cfg.get("predict")
+    targets = OmegaConf.to_container(targets, resolve=True) if targets else []
+    if not targets or "baseline" not in cfg.method:
+        return None
+    from .latency import prediction_report
+    from .results import load_iterations
+    if load_iterations(run_dir).empty:  # engines that log no forward passes (vLLM, SGLang)
+        print("(no iteration log from this engine: no predicted speedups)", file=sys.stderr)
+        return None
+    text, summary = prediction_report(run_dir, targets)
+    print(text)
+    return summary
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="bench")

@@ -220,7 +220,7 @@ def _vs_baseline(per_step: pd.DataFrame, base_rollouts: pd.DataFrame, base_steps
     out["speedup"] = out["rollout_wall_s_baseline"] / out["rollout_wall_s"].where(out["rollout_wall_s"] > 0)
     # rounded: two groupings of the same rewards can sum in another order (a 1e-17 "delta" between
     # token-identical runs reads like a change; real reward differences are >= 1 / rollouts)
-    out["reward_delta"] = (out["reward_mean"] - out["reward_mean_baseline"]).round(12)
+    out["reward_delta"] = (out["reward_mean"] - out["reward_mean_baseline"]).round(12) + 0.0  # no "-0"
     return out
 
 

@@ -150,7 +150,9 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
             srow = step_row(rows, wall, getattr(engine, "last_iterations", max(r.num_forward_passes for r in rollouts)),
                             cache_entries=stats.get("cache_entries", stats.get("sequences")),
                             cache_bytes=stats.get("cache_bytes"), drafter_stats=stats, **labels)
-            writer.write_unit(step, m.name, rows, srow, drafter_state=pickle.dumps(drafter, protocol=5))
+            iterations = getattr(engine, "last_iteration_log", None)  # engines that log forward passes
+            writer.write_unit(step, m.name, rows, srow, drafter_state=pickle.dumps(drafter, protocol=5),
+                              iteration_rows=None if iterations is None else list(iterations))
             committed += 1
             if stop_after_units is not None and committed >= stop_after_units:
                 raise ReplayInterrupted(f"stopped after {committed} unit(s) (stop_after_units)")

@@ -8,9 +8,10 @@ Layout of ``<root>/<run-id>/`` (schemas in ``results/README.md``)::
     summary.json                     versions, git sha, engine, hardware, start/end, status
     rollouts.parquet/step_00003__tree_cache.parquet   one part per finished (step, method)
     steps.parquet/step_00003__tree_cache.parquet
+    iterations.parquet/step_00003__tree_cache.parquet   one row per engine forward pass of the unit
     drafters/step_00003__tree_cache.pkl   the method's drafter state after that unit (latest only)
 
-A unit is committed by writing its rollouts part, then its drafter snapshot, then its steps part,
+A unit is committed by writing its rollouts and iterations parts, then its drafter snapshot, then its steps part,
 each as a hidden temp file renamed into place with ``os.replace``. The steps part is the commit
 marker: a unit whose steps part is missing is not done, its rollouts part and snapshot (if any)
 are ignored on load and overwritten on resume, so nothing is lost or counted twice. A resumed
@@ -61,7 +62,16 @@ STEP_SCHEMA: dict[str, pa.DataType] = {
     "cache_entries": pa.int64(), "cache_bytes": pa.int64(),
 }
 DRAFTER_PREFIX = "drafter_"  # drafter stats in steps rows: drafter_<name>, always float64
+ITERATION_SCHEMA: dict[str, pa.DataType] = {
+    "run_id": pa.string(), "method": pa.string(), "step": pa.int64(), "iteration": pa.int64(),
+    "call": pa.int64(), "rows": pa.int64(), "live_rows": pa.int64(), "run_ahead_rows": pa.int64(),
+    "query_tokens": pa.int64(), "block_tokens": pa.int64(), "context_sum": pa.int64(),
+    "context_max": pa.int64(), "draft_tokens": pa.int64(), "accepted_tokens": pa.int64(),
+    "draft_budget": pa.int64(), "forward_s": pa.float64(), "verify_s": pa.float64(),
+    "drafter_s": pa.float64(), "other_s": pa.float64(),
+}
 ROLLOUTS_DIR, STEPS_DIR, DRAFTERS_DIR = "rollouts.parquet", "steps.parquet", "drafters"
+ITERATIONS_DIR = "iterations.parquet"
 _TMP_PREFIX = ".tmp-"
 
 
@@ -228,6 +238,7 @@ class RunWriter:
         self.rollouts_dir = self.run_dir / ROLLOUTS_DIR
         self.steps_dir = self.run_dir / STEPS_DIR
         self.drafters_dir = self.run_dir / DRAFTERS_DIR
+        self.iterations_dir = self.run_dir / ITERATIONS_DIR
         config_path, summary_path = self.run_dir / "config.yaml", self.run_dir / "summary.json"
         if config_path.exists():
             self._check_same_config(config_path, tuple(not_identity))
@@ -247,6 +258,7 @@ class RunWriter:
         self.rollouts_dir.mkdir(exist_ok=True)
         self.steps_dir.mkdir(exist_ok=True)
         self.drafters_dir.mkdir(exist_ok=True)
+        self.iterations_dir.mkdir(exist_ok=True)
         self._write_summary()
 
     def _check_same_config(self, path: Path, not_identity: tuple[str, ...] = ()) -> None:
@@ -267,10 +279,10 @@ class RunWriter:
         """Remove temp files of a killed writer, and rollouts parts and drafter snapshots of
         uncommitted units."""
         done = {p.name for p in self.steps_dir.glob("step_*.parquet")}
-        for d in (self.rollouts_dir, self.steps_dir, self.drafters_dir):
+        for d in (self.rollouts_dir, self.steps_dir, self.drafters_dir, self.iterations_dir):
             for p in d.glob(f"{_TMP_PREFIX}*"):
                 p.unlink(missing_ok=True)
-        for p in self.rollouts_dir.glob("step_*.parquet"):
+        for p in [*self.rollouts_dir.glob("step_*.parquet"), *self.iterations_dir.glob("step_*.parquet")]:
             if p.name not in done:
                 p.unlink(missing_ok=True)
         for p in self.drafters_dir.glob("step_*.pkl"):
@@ -286,9 +298,10 @@ class RunWriter:
         return {u for p in self.steps_dir.iterdir() if (u := _parse_part(p.name))}
 
     def write_unit(self, step: int, method: str, rollout_rows: list[dict], step_row: dict,
-                   drafter_state: bytes | None = None) -> None:
+                   drafter_state: bytes | None = None, iteration_rows: list[dict] | None = None) -> None:
         """Commit one finished unit (rewriting a done unit replaces it, never duplicates it);
-        ``drafter_state`` (a pickled drafter, see :meth:`drafter_state`) is committed with it."""
+        ``drafter_state`` (a pickled drafter, see :meth:`drafter_state`) and the engine's
+        ``iteration_rows`` (one per forward pass) are committed with it."""
         ids = {"run_id": self.run_id, "step": int(step), "method": method}
         for row in [*rollout_rows, step_row]:
             for k in ("step", "method"):
@@ -300,6 +313,9 @@ class RunWriter:
         steps = _to_table([{**ids, **step_row}], STEP_SCHEMA, float_prefix=DRAFTER_PREFIX)
         name = _part_name(step, method)
         _atomic_write_bytes(self.rollouts_dir / name, lambda f: pq.write_table(rollouts, f))
+        if iteration_rows is not None:
+            table = _to_table([{**r, **ids} for r in iteration_rows], ITERATION_SCHEMA)
+            _atomic_write_bytes(self.iterations_dir / name, lambda f: pq.write_table(table, f))
         snapshot = self.drafters_dir / Path(name).with_suffix(".pkl")
         if drafter_state is not None:
             _atomic_write_bytes(snapshot, lambda f: f.write(drafter_state))
@@ -370,3 +386,13 @@ def load_run(run_dir: str | Path) -> tuple[dict, dict, pd.DataFrame, pd.DataFram
         print(f"warning: {run_dir}: {len(names) - len(present)} committed unit(s) have no "
               f"rollouts part (folder copied incompletely?)", file=sys.stderr)
     return config, summary, rollouts, steps
+
+
+def load_iterations(run_dir: str | Path) -> pd.DataFrame:
+    """iterations.parquet rows of a run's committed units (empty where the engine logged none)."""
+    run_dir = Path(run_dir)
+    steps_dir, it_dir = run_dir / STEPS_DIR, run_dir / ITERATIONS_DIR
+    if not steps_dir.is_dir() or not it_dir.is_dir():
+        return _to_table([], ITERATION_SCHEMA).to_pandas()
+    names = sorted(p.name for p in steps_dir.iterdir() if _parse_part(p.name) and (it_dir / p.name).exists())
+    return _read_parts(it_dir, names, ITERATION_SCHEMA)

@@ -3,7 +3,10 @@
 Every iteration it asks each live rollout's drafter for a draft (empty, chain or tree, ragged
 across the batch), runs ONE forward pass over all rows (tree attention by an additive 4D mask,
 explicit positions), verifies with ``bench.verify``, keeps the KV of the accepted path only, and
-feeds the emitted tokens back to the drafter. Example::
+feeds the emitted tokens back to the drafter. A speculation policy (``bench.spec_policy``) may cap
+an iteration's draft budget; every forward pass is logged (``last_iteration_log``: its shape and
+the seconds spent in the forward, the verifier and the drafter), the raw material of
+``bench.latency``. Example::
 
     eng = TorchRefEngine(); eng.load("ckpt_dir")
     rollouts = eng.rollout(requests, SamplingConfig(), Baseline(), VerifyConfig())
@@ -22,6 +25,7 @@ from methods.base import Draft, Drafter, Rollout
 
 from ..drafting import DraftCounters, next_draft, report_live
 from ..sampling import SamplingConfig
+from ..spec_policy import SpecPolicy
 from ..verify import VerifyConfig, check_rule, verify_batch
 from .base import Request, RunAheadSource, request_key64
 from .checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
@@ -54,7 +58,8 @@ class TorchRefEngine:
     name = "torch_ref"
 
     def __init__(self, device: str = "cpu", dtype: str = "float32", attn_implementation: str = "sdpa",
-                 max_batch_size: int | None = None, threads: int | None = None):
+                 max_batch_size: int | None = None, threads: int | None = None, spec_policy: str = "fixed",
+                 spec_max_rows: int = 32, latency_table: str | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"engine.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if threads is not None:  # process-wide: torch has one intra-op thread pool
@@ -67,6 +72,14 @@ class TorchRefEngine:
         self.info: CheckpointInfo | None = None
         self._arch_key: str | None = None
         self.last_iterations = 0
+        self.last_iteration_log: list[dict] = []
+        table = None
+        if spec_policy == "throughput_optimal" and latency_table not in (None, "auto"):
+            from ..latency import LatencyTable
+            table = LatencyTable.read(latency_table)
+        elif spec_policy == "throughput_optimal" and latency_table == "auto":
+            table = "auto"  # profiled at the first load (bench.engines.torch_timing), once a model exists
+        self.policy = SpecPolicy(spec_policy, spec_max_rows, table)
 
     # ------------------------------------------------------------------ checkpoints
     def load(self, checkpoint: str | Path) -> None:
@@ -98,6 +111,9 @@ class TorchRefEngine:
             self._keep_kw = "logits_to_keep" if "logits_to_keep" in fwd else "num_logits_to_keep"
         self._fp32_head()
         self.info, self._arch_key = info, arch_key
+        if self.policy.table == "auto":
+            from .torch_timing import cached_latency_table
+            self.policy.table = cached_latency_table(self)
 
     def _fp32_head(self) -> None:
         """In fp16/bf16, compute the output layer in fp32 (an fp32 copy of its weight, refreshed at
@@ -136,30 +152,38 @@ class TorchRefEngine:
         order = {id(r): i for i, r in enumerate(requests)}
         cache = SlotKVCache(capacity=1)
         self.last_iterations = 0  # forward passes of this call (what steps.parquet records)
+        self.last_iteration_log = []
+        self.policy.start_call()
         t0 = time.perf_counter()
         with torch.inference_mode():
             while rows or waiting:
+                t_iter = time.perf_counter()
+                drafter_s = 0.0
                 free = target - len(rows)
                 admitted = [waiting.pop(0) for _ in range(min(free, len(waiting)))]
                 if run_ahead is not None and not waiting and free - len(admitted) > 0 and rows:
                     admitted += [r for r in run_ahead(free - len(admitted)) if self._fits(r, sampling)]
                 if admitted:
+                    t_d = time.perf_counter()
                     for r in admitted:
                         drafter.start(r.key, r.prompt_token_ids)
+                    drafter_s += time.perf_counter() - t_d
                     new = [_Row(r, request_key64(sampling.seed, r),
                                 list(r.prompt_token_ids)) for r in admitted]
                     need = max(len(r.prompt_token_ids) for r in admitted) + sampling.max_new_tokens + 1
                     cache.add_rows(len(new), max(need, cache.capacity))
                     rows += new
-                self._iterate(rows, cache, sampling, drafter, verify, stops, t0)
-                self.last_iterations += 1
+                calls, iterate_drafter_s = self._iterate(rows, cache, sampling, drafter, verify, stops, t0)
+                drafter_s += iterate_drafter_s
                 keep = []
                 for i, row in enumerate(rows):
                     if not row.finish_reason:
                         keep.append(i)
                         continue
                     rollout = self._to_rollout(row)
+                    t_d = time.perf_counter()
                     drafter.finish(row.request.key, rollout)  # finished run-ahead rollouts feed caches too
+                    drafter_s += time.perf_counter() - t_d
                     if row.request.run_ahead:
                         ahead.append(rollout)
                     else:
@@ -167,6 +191,7 @@ class TorchRefEngine:
                 if len(keep) < len(rows):
                     rows = [rows[i] for i in keep]
                     cache.keep_rows(keep)
+                self._log_iteration(calls, drafter_s, time.perf_counter() - t_iter)
                 if rows and not waiting and all(r.request.run_ahead for r in rows):
                     for row in rows:  # the main batch is done: run-ahead rollouts are aborted
                         row.finish_reason = "abort"
@@ -190,11 +215,25 @@ class TorchRefEngine:
 
     def _iterate(self, rows: list[_Row], cache: SlotKVCache, sampling: SamplingConfig, drafter: Drafter,
                  verify: VerifyConfig, stops: set[int], t0: float) -> None:
-        """One forward pass: draft, build the ragged block, run the model, verify, commit."""
+        """One iteration: draft, build the ragged block(s), run the model, verify, commit.
+
+        Returns one log entry per forward call (its shape and seconds) and the drafter's seconds."""
+        t_d = time.perf_counter()
         report_live(drafter, [(row.request.key, len(row.output)) for row in rows])
-        drafts = [next_draft(drafter, row.request.key, row.output, sampling.max_new_tokens) for row in rows]
+        contexts = [r.cached + len(r.pending) for r in rows]  # tokens each row's last token attends
+        cap = self.policy.budget(len(rows), sum(contexts) / len(rows))
+        if cap == 0:  # the policy drafts nothing now: the drafter is not even asked
+            drafts = [Draft() for _ in rows]
+        else:
+            drafts = [next_draft(drafter, row.request.key, row.output, sampling.max_new_tokens) for row in rows]
+            if cap is not None:
+                drafts = [d.truncated(cap) for d in drafts]
+        drafter_s = time.perf_counter() - t_d
         verdicts: list = [None] * len(rows)
-        for group in _forward_groups([len(r.pending) + len(d) for r, d in zip(rows, drafts)]):
+        calls = []
+        sizes = [len(r.pending) + len(d) for r, d in zip(rows, drafts)]
+        for group in _forward_groups(sizes):
+            t_f = time.perf_counter()
             g_rows, g_drafts = [rows[i] for i in group], [drafts[i] for i in group]
             block = _Block.build(g_rows, g_drafts, cache, self.device, self.dtype)
             subset = None if len(group) == len(rows) else torch.tensor(group, device=self.device)
@@ -204,11 +243,22 @@ class TorchRefEngine:
                                 self._keep_kw: block.keep})
             logits = out.logits if block.keep == 1 else \
                 out.logits[torch.arange(len(group), device=self.device)[:, None], block.node_index]  # [b, K, V]
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()  # forward seconds are the model's, not the verifier's
+            t_v = time.perf_counter()
             keys = torch.tensor([r.key64 for r in g_rows], dtype=torch.int64)
             for i, v in zip(group, verify_batch(logits, g_drafts, keys, [len(r.output) for r in g_rows],
                                                 sampling, verify)):
                 verdicts[i] = v
+            ctx = [contexts[i] for i in group]
+            calls.append({"rows": len(group), "run_ahead_rows": sum(r.request.run_ahead for r in g_rows),
+                          "query_tokens": sum(sizes[i] for i in group),
+                          "block_tokens": int(block.input_ids.numel()), "context_sum": sum(ctx),
+                          "context_max": max(ctx), "draft_tokens": sum(len(d) for d in g_drafts),
+                          "draft_budget": -1 if cap is None else cap, "group": group,
+                          "forward_s": t_v - t_f, "verify_s": time.perf_counter() - t_v})
         now = time.perf_counter() - t0
+        accepted = [0] * len(rows)
         moves = []
         for b, (row, d, v) in enumerate(zip(rows, drafts, verdicts)):
             root_slot = row.cached + len(row.pending) - 1
@@ -221,7 +271,9 @@ class TorchRefEngine:
             if cut < len(emitted) or len(emitted) > room:
                 n = min(cut, room)
                 emitted, lps, mgs = emitted[:n], lps[:n], mgs[:n]
-            row.counters.record(len(d), min(v.num_accepted, len(emitted)))
+            accepted[b] = min(v.num_accepted, len(emitted))
+            row.counters.record(len(d), accepted[b])
+            self.policy.record(len(d), accepted[b])
             if not row.output:
                 row.first_t = now
             row.output += emitted
@@ -229,7 +281,9 @@ class TorchRefEngine:
             row.margins += mgs
             row.last_t = now
             row.pending = [emitted[-1]]
+            t_d = time.perf_counter()
             drafter.observe(row.request.key, emitted)
+            drafter_s += time.perf_counter() - t_d
             if emitted[-1] in stops:
                 row.finish_reason = "stop"
             elif len(row.output) >= sampling.max_new_tokens:
@@ -242,6 +296,20 @@ class TorchRefEngine:
                 src[b, :len(s)] = torch.tensor(s)
                 dst[b, :len(t)] = torch.tensor(t)
             cache.move_slots(src.to(self.device), dst.to(self.device))
+        for call in calls:
+            call["accepted_tokens"] = sum(accepted[i] for i in call.pop("group"))
+        return calls, drafter_s
+
+    def _log_iteration(self, calls: list[dict], drafter_s: float, total_s: float) -> None:
+        """Append an iteration's forward calls to ``last_iteration_log`` (what iterations.parquet
+        stores); the drafter's seconds and the rest of the iteration go on its first call."""
+        live = sum(c["rows"] for c in calls)
+        other = total_s - drafter_s - sum(c["forward_s"] + c["verify_s"] for c in calls)
+        for j, call in enumerate(calls):
+            call.update(iteration=self.last_iterations, call=j, live_rows=live,
+                        drafter_s=drafter_s if j == 0 else 0.0, other_s=max(other, 0.0) if j == 0 else 0.0)
+            self.last_iteration_log.append(call)
+        self.last_iterations += 1
 
     @staticmethod
     def _to_rollout(row: _Row) -> Rollout:

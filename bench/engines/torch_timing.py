@@ -1,0 +1,80 @@
+"""Timing the torch reference engine's own forward path for latency tables (``bench.latency``).
+
+    python -m bench.latency profile --out table.csv
+
+``time_forward`` runs the engine's real path (slot KV cache, ragged block, additive 4D mask,
+explicit positions) on synthetic rows: ``rows`` rows with ``context`` cached tokens each feed one
+pending token plus a chain of ``query - 1`` draft tokens. ``cached_latency_table`` profiles a
+small grid once per model architecture, dtype, thread count and machine and keeps it on disk, so
+the ``throughput_optimal`` policy decides from the same table in every later run.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+
+from methods.base import Draft, RolloutKey
+
+from .base import Request
+from .kv_slots import SlotKVCache
+from .torch_ref import TorchRefEngine, _Block, _Row
+
+AUTO_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+AUTO_QUERY = (1, 2, 3, 5, 9, 17, 25)
+AUTO_CONTEXT = (32, 256)
+
+
+def time_forward(engine: TorchRefEngine, rows: int, query: int, context: int, repeats: int = 5) -> list[float]:
+    """Seconds of ``repeats`` forward passes of one shape (after one untimed warm-up pass)."""
+    gen = torch.Generator().manual_seed(rows * 1_000_003 + query * 1_009 + context)
+    vocab = engine.model.config.vocab_size
+    tokens = torch.randint(3, vocab, (rows, context + query), generator=gen).tolist()
+    cache = SlotKVCache(capacity=context + query + 1)
+    cache.add_rows(rows, context + query + 1)
+    live = [_Row(Request(RolloutKey("profile", i), toks[:context]), 0, toks[:context]) for i, toks in enumerate(tokens)]
+    with torch.inference_mode():
+        _forward(engine, live, [Draft() for _ in live], cache)  # prefill the context (untimed)
+        for row in live:
+            row.cached, row.pending = context - 1, [row.pending[-1]]
+        drafts = [Draft(toks[context:context + query - 1]) for toks in tokens]
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            _forward(engine, live, drafts, cache)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+    return times[1:]
+
+
+def _forward(engine: TorchRefEngine, rows: list[_Row], drafts: list[Draft], cache: SlotKVCache):
+    block = _Block.build(rows, drafts, cache, engine.device, engine.dtype)
+    cache.set_block(block.write_index, block.view_len)
+    out = engine.model(**{"input_ids": block.input_ids, "position_ids": block.position_ids,
+                          "attention_mask": block.mask, engine._cache_kw: cache, "use_cache": True,
+                          engine._keep_kw: block.keep})
+    return out.logits
+
+
+def cached_latency_table(engine: TorchRefEngine):
+    """The engine's latency table for its loaded model on this machine, profiled on first use."""
+    import pandas as pd
+
+    from ..latency import LatencyTable, profile
+    from ..record.cache import cache_root
+    from ..results import environment
+    hw = environment()["hardware"]
+    ident = "|".join([engine._arch_key or "", str(engine.dtype), str(torch.get_num_threads()),
+                      str(hw.get("gpu") or hw.get("cpu")), engine.device.type, str(AUTO_ROWS),
+                      str(AUTO_QUERY), str(AUTO_CONTEXT)])
+    path = cache_root() / "latency" / f"torch_ref-{hashlib.sha1(ident.encode()).hexdigest()[:12]}.csv"
+    if path.exists():
+        return LatencyTable(pd.read_csv(path), str(path))
+    frame = profile(engine, AUTO_ROWS, AUTO_QUERY, AUTO_CONTEXT, repeats=3, progress=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    frame.to_csv(tmp, index=False)
+    tmp.replace(path)
+    return LatencyTable(frame, str(path))

@@ -1,0 +1,422 @@
+"""From counts to wall clock: latency tables of forward passes, an analytic roofline, and the rollout
+seconds a run's iteration log predicts on other hardware.
+
+    python -m bench.latency profile --checkpoint CKPT --out table.csv        # this machine, torch_ref
+    python -m bench.latency predict RUN --table table.csv                    # through a measured table
+    python -m bench.latency predict RUN --hardware h200 --model llama-3.1-8b # through a roofline
+
+A **latency table** holds the seconds of one forward pass of the engine's own path (slot KV cache,
+4D mask, ragged block) for a grid of live rows x query tokens per row x context tokens per row, on
+one engine, model, dtype and machine (named in its columns). A run's ``iterations.parquet`` holds
+the shape of every forward pass it made; replaying those shapes through a table (or a roofline)
+and adding the host-side seconds that were measured (drafter, verifier, bookkeeping) gives
+*predicted* rollout seconds per (step, method). Predictions are always labelled as such and never
+mixed with measured columns.
+
+The roofline ignores kernel-launch and scheduler overheads (a fixed ``overhead_s`` per pass is a
+knob, 0 by default), attention-kernel efficiency beyond one efficiency factor per resource, tensor
+or pipeline parallelism, padding, and the cost of sampling/verification on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from .errors import UserError, run_main
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GRID_COLUMNS = ("rows", "query", "context")
+DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_QUERY = (1, 2, 3, 5, 9, 17, 25)
+DEFAULT_CONTEXT = (32, 128, 512)
+
+
+# ------------------------------------------------------------------ latency tables
+
+class LatencyTable:
+    """Seconds of one forward pass by (live rows, query tokens per row, context tokens per row).
+
+    Looked up by multilinear interpolation of log-seconds over log-coordinates; outside the grid
+    the nearest two grid points are extrapolated linearly (in log space), so a pass of 256 rows on
+    a table that stops at 128 still costs more than one of 128.
+    """
+
+    def __init__(self, frame: pd.DataFrame, source: str = "table"):
+        missing = [c for c in (*GRID_COLUMNS, "seconds") if c not in frame]
+        if missing:
+            raise UserError(f"{source}: a latency table needs the columns rows, query, context, seconds "
+                            f"(missing {', '.join(missing)}); write one with python -m bench.latency profile")
+        self.frame = frame.reset_index(drop=True)
+        self.source = source
+        self.axes = [np.array(sorted(set(frame[c].astype(float)))) for c in GRID_COLUMNS]
+        grid = frame.groupby(list(GRID_COLUMNS))["seconds"].median()
+        want = pd.MultiIndex.from_product([a.tolist() for a in self.axes], names=GRID_COLUMNS)
+        values = grid.reindex(want)
+        if values.isna().any() or (values <= 0).any():
+            holes = [tuple(i) for i, v in values.items() if not v > 0][:3]
+            raise UserError(f"{source}: the latency table is not a full grid of positive seconds "
+                            f"(for example {holes}); profile the whole grid")
+        self.log_seconds = np.log(values.to_numpy().reshape([len(a) for a in self.axes]))
+
+    @classmethod
+    def read(cls, path: str | Path) -> "LatencyTable":
+        path = Path(path)
+        if not path.exists():
+            raise UserError(f"latency table {path} does not exist; write one with "
+                            f"python -m bench.latency profile --out {path}")
+        try:
+            frame = pd.read_csv(path)
+        except Exception as exc:
+            raise UserError(f"{path} is not a latency table CSV ({exc})") from exc
+        return cls(frame, str(path))
+
+    @property
+    def label(self) -> str:
+        first = self.frame.iloc[0]
+        parts = [str(first[c]) for c in ("engine", "hardware", "model", "dtype") if c in self.frame]
+        return " / ".join(parts) or self.source
+
+    def seconds(self, rows, query, context) -> np.ndarray:
+        """Predicted seconds of passes with these shapes (array-likes of equal length)."""
+        points = [np.log(np.maximum(np.asarray(v, dtype=float), 1.0)) for v in (rows, query, context)]
+        out = np.zeros(len(points[0]))
+        corners = [_bracket(p, np.log(a)) for p, a in zip(points, self.axes)]
+        for bits in range(8):
+            weight = np.ones_like(out)
+            index = []
+            for axis, (lo, frac) in enumerate(corners):
+                hi = (bits >> axis) & 1
+                weight = weight * (frac if hi else 1.0 - frac)
+                index.append(lo + hi)
+            out += weight * self.log_seconds[tuple(index)]
+        return np.exp(out)
+
+
+def _bracket(x: np.ndarray, axis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Lower grid index and fractional position of each x on a sorted axis (fractions outside
+    [0, 1] extrapolate from the outermost two points; one-point axes give index 0, fraction 0)."""
+    if len(axis) == 1:
+        return np.zeros(len(x), dtype=int), np.zeros(len(x))
+    lo = np.clip(np.searchsorted(axis, x, side="right") - 1, 0, len(axis) - 2)
+    return lo, (x - axis[lo]) / (axis[lo + 1] - axis[lo])
+
+
+# ------------------------------------------------------------------ the roofline
+
+@dataclass
+class Hardware:
+    """An accelerator from its datasheet (conf/hardware/*.yaml)."""
+
+    name: str
+    memory_bandwidth_gbs: float  # GB/s
+    peak_tflops: float  # dense bf16/fp16 tensor TFLOP/s
+    memory_gb: float
+    bandwidth_efficiency: float = 0.8  # share of the datasheet bandwidth a decode step reaches
+    flops_efficiency: float = 0.6  # share of the datasheet peak a large matmul reaches
+    overhead_s: float = 0.0  # fixed seconds per forward pass (launches, scheduling): ignored by default
+    source: str = ""
+
+    @classmethod
+    def named(cls, name: str) -> "Hardware":
+        return cls(**_load_yaml("hardware", name))
+
+
+@dataclass
+class ModelShape:
+    """What a forward pass costs depends on: from an HF config.json (conf/model_shape/*.yaml)."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    dtype_bytes: int = 2
+
+    @classmethod
+    def from_config(cls, config: dict, name: str = "model", dtype_bytes: int = 2) -> "ModelShape":
+        try:
+            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+            return cls(name=name, hidden=hidden, intermediate=int(config["intermediate_size"]),
+                       layers=int(config["num_hidden_layers"]), heads=heads,
+                       kv_heads=int(config.get("num_key_value_heads") or heads),
+                       head_dim=int(config.get("head_dim") or hidden // heads),
+                       vocab=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)),
+                       dtype_bytes=dtype_bytes)
+        except KeyError as exc:
+            raise UserError(f"model {name}: config has no {exc.args[0]!r}; pass an HF config.json of a "
+                            f"decoder-only model or one of {', '.join(_names('model_shape'))}") from exc
+
+    @classmethod
+    def named(cls, name_or_path: str) -> "ModelShape":
+        path = Path(name_or_path)
+        if path.is_dir():
+            path = path / "config.json"
+        if path.suffix == ".json" and path.exists():
+            return cls.from_config(json.loads(path.read_text()), path.parent.name)
+        return cls.from_config(_load_yaml("model_shape", name_or_path), name_or_path)
+
+    @property
+    def layer_params(self) -> int:
+        attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
+        return self.layers * (attn + 3 * self.hidden * self.intermediate)
+
+    @property
+    def params(self) -> int:
+        return self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2)
+
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def roofline_seconds(hw: Hardware, model: ModelShape, query_tokens, context_sum, rows) -> np.ndarray:
+    """Seconds of forward passes: max(bytes / bandwidth, flops / peak), each at its efficiency.
+
+    Bytes: every weight once (the embedding table is a gather) plus the KV cache each row reads.
+    FLOPs: 2 x weights x tokens for the matmuls (the LM head on every query token, as engines
+    verifying drafts compute it) plus 4 x layers x heads x head_dim x sum(query x context) for
+    attention, with each row's query tokens seeing about its mean context.
+    """
+    q = np.asarray(query_tokens, dtype=float)
+    ctx = np.asarray(context_sum, dtype=float)
+    b = np.maximum(np.asarray(rows, dtype=float), 1.0)
+    matmul_weights = model.layer_params + model.vocab * model.hidden
+    bytes_ = matmul_weights * model.dtype_bytes + ctx * model.kv_bytes_per_token()
+    flops = 2.0 * matmul_weights * q + 4.0 * model.layers * model.heads * model.head_dim * q * (ctx / b)
+    t_mem = bytes_ / (hw.memory_bandwidth_gbs * 1e9 * hw.bandwidth_efficiency)
+    t_flops = flops / (hw.peak_tflops * 1e12 * hw.flops_efficiency)
+    return np.maximum(t_mem, t_flops) + hw.overhead_s
+
+
+def _names(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _load_yaml(group: str, name: str) -> dict:
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not path.exists():
+        raise UserError(f"no {group} named {name!r}; choose one of {', '.join(_names(group))} "
+                        f"(conf/{group}/) or add a file there")
+    data = yaml.safe_load(path.read_text()) or {}
+    data.setdefault("name", name)
+    return data
+
+
+# ------------------------------------------------------------------ profiling
+
+def profile(engine, rows: Sequence[int] = DEFAULT_ROWS, query: Sequence[int] = DEFAULT_QUERY,
+            context: Sequence[int] = DEFAULT_CONTEXT, repeats: int = 5, progress: bool = True) -> pd.DataFrame:
+    """Time the loaded engine's forward pass over the grid; one row per grid point (median)."""
+    from tqdm.auto import tqdm
+
+    from .results import environment
+    grid = [(r, q, c) for r in rows for q in query for c in context]
+    env = environment()
+    hardware = env["hardware"].get("gpu") or env["hardware"].get("cpu", "?")
+    cfg = engine.model.config
+    shape = ModelShape.from_config(cfg.to_dict(), "profiled")
+    out = []
+    from .engines.torch_timing import time_forward
+    for r, q, c in tqdm(grid, desc="latency profile", disable=not progress, unit="shape"):
+        times = time_forward(engine, r, q, c, repeats)
+        out.append({"rows": r, "query": q, "context": c, "seconds": float(np.median(times)),
+                    "seconds_min": float(np.min(times)), "seconds_max": float(np.max(times))})
+    frame = pd.DataFrame(out)
+    frame["engine"] = engine.name
+    frame["hardware"] = hardware
+    frame["threads"] = _threads()
+    frame["model"] = (f"{shape.layers}L h{shape.hidden} heads {shape.heads}/{shape.kv_heads} "
+                      f"V{shape.vocab} ({shape.params / 1e6:.2f}M params)")
+    frame["dtype"] = str(engine.dtype).replace("torch.", "")
+    return frame
+
+
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+# ------------------------------------------------------------------ prediction
+
+def predict(run_dir: str | Path, table: LatencyTable | None = None, hardware: Hardware | None = None,
+            model: ModelShape | None = None, host: str = "measured") -> pd.DataFrame:
+    """Predicted rollout seconds per (step, method) of one run, and predicted speedup vs its baseline.
+
+    Through ``table`` each pass costs the table's seconds at its (rows, padded query per row,
+    mean context); through the roofline (``hardware`` and ``model``) its real query tokens and
+    context. ``host="measured"`` adds the drafter, verifier and bookkeeping seconds the run
+    measured (host-side work a faster accelerator does not shrink); ``"none"`` leaves them out.
+    """
+    from .results import load_iterations, load_run
+    if (table is None) == (hardware is None or model is None):
+        raise UserError("predict needs either a latency table (--table) or both --hardware and --model")
+    if host not in ("measured", "none"):
+        raise UserError(f"host={host!r}: choose measured or none")
+    _, _, _, steps = load_run(run_dir)
+    it = load_iterations(run_dir)
+    if it.empty:
+        raise UserError(f"{run_dir} has no iterations.parquet rows (recorded by torch_ref from this "
+                        f"version on); rerun it to predict")
+    it = it[it["rows"] > 0]
+    if table is not None:
+        forward = table.seconds(it["rows"], it["block_tokens"] / it["rows"], it["context_sum"] / it["rows"])
+        label = f"table {table.label}"
+    else:
+        forward = roofline_seconds(hardware, model, it["query_tokens"], it["context_sum"], it["rows"])
+        label = f"roofline {hardware.name} x {model.name}"
+    host_s = it[["drafter_s", "verify_s", "other_s"]].sum(axis=1) if host == "measured" else 0.0
+    it = it.assign(predicted_forward_s=forward, predicted_host_s=host_s,
+                   predicted_s=forward + host_s)
+    per = it.groupby(["step", "method"], as_index=False)[
+        ["predicted_forward_s", "predicted_host_s", "predicted_s"]].sum()
+    per = per.merge(steps[["step", "method", "wall_s"]].rename(columns={"wall_s": "measured_wall_s"}),
+                    on=["step", "method"], how="left")
+    base = per[per["method"] == "baseline"].set_index("step")
+    per["predicted_speedup"] = per["step"].map(base["predicted_s"]) / per["predicted_s"]
+    per["measured_speedup"] = per["step"].map(base["measured_wall_s"]) / per["measured_wall_s"]
+    per.insert(0, "target", label)
+    return per
+
+
+def summarize_prediction(per_step: pd.DataFrame) -> pd.DataFrame:
+    """One row per method: predicted and measured seconds per step and speedups (ratios of means)."""
+    g = per_step.groupby(["target", "method"], as_index=False)[["predicted_s", "measured_wall_s"]].mean()
+    base = g[g["method"] == "baseline"].set_index("target")
+    g["predicted_speedup"] = g["target"].map(base["predicted_s"]) / g["predicted_s"]
+    g["measured_speedup"] = g["target"].map(base["measured_wall_s"]) / g["measured_wall_s"]
+    return g
+
+
+def prediction_error(summary: pd.DataFrame) -> float:
+    """Median absolute relative error of the predicted speedup against the measured one."""
+    rows = summary[summary["method"] != "baseline"]
+    err = (rows["predicted_speedup"] - rows["measured_speedup"]).abs() / rows["measured_speedup"]
+    return float(err.median()) if len(err) else math.nan
+
+
+def prediction_report(run_dir: Path, targets: Sequence[dict]) -> tuple[str, pd.DataFrame]:
+    """The printed section 'predicted speedups' for each target {hardware, model} or {table}."""
+    from .collect import to_markdown
+    frames = []
+    for t in targets:
+        if t.get("table"):
+            frames.append(predict(run_dir, table=LatencyTable.read(t["table"])))
+        else:
+            frames.append(predict(run_dir, hardware=Hardware.named(t["hardware"]),
+                                  model=ModelShape.named(t["model"]), host=t.get("host", "measured")))
+    summary = summarize_prediction(pd.concat(frames, ignore_index=True))
+    wide = summary.pivot(index="method", columns="target", values="predicted_speedup")
+    wide.columns = [f"predicted speedup · {c}" for c in wide.columns]
+    measured = summary.drop_duplicates("method").set_index("method")["measured_speedup"]
+    wide.insert(0, "measured speedup (this machine)", measured)
+    text = ("## Predicted speedups (not measured: the run's forward-pass shapes through a roofline; "
+            "host-side drafter and verifier seconds as measured here)\n\n" + to_markdown(wide.reset_index()))
+    return text, summary
+
+
+def prediction_figure(summary: pd.DataFrame, out: Path) -> Path:
+    """Bars per method: measured speedup here beside each predicted target (labelled predicted)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    methods = [m for m in summary["method"].drop_duplicates() if m != "baseline"]
+    targets = list(summary["target"].drop_duplicates())
+    measured = summary.drop_duplicates("method").set_index("method")["measured_speedup"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(methods) + 2), 4))
+    width = 0.8 / (1 + len(targets))
+    x = np.arange(len(methods))
+    ax.bar(x, [measured[m] for m in methods], width, label="measured (this machine)", color="0.3")
+    for i, t in enumerate(targets):
+        vals = summary[summary["target"] == t].set_index("method")["predicted_speedup"]
+        ax.bar(x + (i + 1) * width, [vals.get(m, np.nan) for m in methods], width,
+               label=f"predicted: {t}", hatch="//", alpha=0.8)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(x + width * len(targets) / 2, methods, rotation=30, ha="right")
+    ax.set_ylabel("rollout speedup over baseline")
+    ax.set_title("Measured here vs predicted on GPUs (predicted bars are not measurements)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+# ------------------------------------------------------------------ command line
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError as exc:
+        raise UserError(f"{text!r} is not a comma-separated list of integers") from exc
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("profile", help="time forward passes over a grid on this machine (torch_ref)")
+    p.add_argument("--checkpoint", help="HF checkpoint dir (default: the bundled trace's last checkpoint)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)))
+    p.add_argument("--query", default=",".join(map(str, DEFAULT_QUERY)))
+    p.add_argument("--context", default=",".join(map(str, DEFAULT_CONTEXT)))
+    p.add_argument("--repeats", type=int, default=5)
+    q = sub.add_parser("predict", help="predicted rollout seconds of a run on a table or a roofline")
+    q.add_argument("run", type=Path)
+    q.add_argument("--table", type=Path)
+    q.add_argument("--hardware", help=f"one of {', '.join(_names('hardware'))}")
+    q.add_argument("--model", help=f"one of {', '.join(_names('model_shape'))}, or an HF config.json")
+    q.add_argument("--host", default="measured", choices=["measured", "none"])
+    q.add_argument("--out", type=Path, help="write the per-step predictions as CSV")
+    args = ap.parse_args(argv)
+    run_main(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> None:
+    if True:
+        if args.cmd == "profile":
+            from .engines.torch_ref import TorchRefEngine
+            ckpt = args.checkpoint
+            if ckpt is None:
+                from .record import ensure_trace
+                from .trace import Trace
+                trace = Trace.load(ensure_trace("countdown"))
+                ckpt = trace.checkpoint(trace.step_numbers[-1])
+            engine = TorchRefEngine(device=args.device, dtype=args.dtype, threads=args.threads)
+            engine.load(ckpt)
+            frame = profile(engine, _ints(args.rows), _ints(args.query), _ints(args.context), args.repeats)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            frame.to_csv(args.out, index=False)
+            print(f"wrote {len(frame)} shapes to {args.out} ({frame['model'].iloc[0]}, {frame['hardware'].iloc[0]})")
+        else:
+            table = LatencyTable.read(args.table) if args.table else None
+            hw = Hardware.named(args.hardware) if args.hardware else None
+            model = ModelShape.named(args.model) if args.model else None
+            per = predict(args.run, table, hw, model, args.host)
+            from .collect import to_markdown
+            summary = summarize_prediction(per)
+            print(f"PREDICTED ({per['target'].iloc[0]}), measured beside it:\n")
+            print(to_markdown(summary.drop(columns=["target"])))
+            print(f"median |predicted - measured| / measured speedup: {prediction_error(summary):.3f}")
+            if args.out:
+                per.to_csv(args.out, index=False)
+                print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
