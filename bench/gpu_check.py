@@ -5,10 +5,12 @@
 
 It (1) runs the gpu-marked tests, (2) replays the tiny trace with baseline and every method on
 each engine importable here (torch_ref always; vLLM and SGLang when installed, else a one-line
-notice), and (3) measures the verification cost curve on a random-init Llama of a few hundred
-million parameters made on the spot: a forward pass over k+1 tokens (k draft tokens) relative to
-one decode step, for batch 1 to 256, with a 512-token context. Everything goes to --out
-(tables as Markdown and CSV, the pytest log); the summary is printed. Needs no network, but
+notice), and (3) profiles latency tables of the torch engine's own forward path (slot KV cache,
+4D mask, ragged block) in bf16 on random-init models of Qwen2.5-0.5B shape and of Qwen2.5-7B
+shape cut to 4 layers, over live rows 1..256 x 0..24 draft tokens at a 1,024-token context: the
+CSVs ``python -m bench.latency predict RUN --table`` reads, and the cost of verifying k tokens
+relative to one decode step. Everything goes to --out (tables as Markdown and CSV, the pytest
+log); the summary is printed. About 5 minutes on one H200 (most of it the 7B-shape table). Needs no network, but
 needs the suite's Python dependencies: a GPU machine that has only torch and transformers also
 needs the small pure-Python wheels of hydra-core, omegaconf and antlr4-python3-runtime copied
 over and installed (pip install --no-deps *.whl) before it runs.
@@ -65,53 +67,63 @@ def replay_engines(out: Path, device: str, max_steps: int | None) -> list[str]:
     return notes
 
 
-def cost_model(small: bool):
-    """A random-init Llama: ~300M parameters (small: ~10M, for dry runs)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    if small:
-        cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048)
-    else:
-        cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=20,
-                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=2048)
+# (model shape, layers kept): the full Qwen2.5-0.5B, and Qwen2.5-7B cut to 4 of its 28 layers (a
+# pass of the full model costs about 28/4 x the layer part of the cut one; the LM head is whole)
+GPU_SHAPES = (("qwen2.5-0.5b", None), ("qwen2.5-7b", 4))
+SMALL_SHAPE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096,
+               "tie_word_embeddings": True}
+
+
+def shape_checkpoint(out: Path, shape: str | None, layers: int | None) -> Path:
+    """A random-init Qwen2 checkpoint of a bundled shape (conf/model_shape), layers cut if asked."""
+    import yaml
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    fields = dict(SMALL_SHAPE) if shape is None else \
+        yaml.safe_load((Path(__file__).resolve().parent.parent / "conf" / "model_shape" / f"{shape}.yaml").read_text())
+    if layers:
+        fields["num_hidden_layers"] = layers
+    cfg = Qwen2Config(**fields, max_position_embeddings=4096, eos_token_id=1, bos_token_id=0, pad_token_id=2)
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    path = out / f"model_{shape or 'small'}{f'_{layers}L' if layers else ''}"
+    model.save_pretrained(str(path))
+    return path
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def verification_cost(device: str, small: bool, batches=(1, 4, 16, 64, 256), ks=(0, 1, 2, 4, 8, 16),
-                      context: int = 512, repeats: int = 5) -> list[dict]:
-    """Seconds of a forward over k+1 new tokens per row on a ``context``-token KV cache, and the
-    ratio to one decode step (k = 0) at the same batch: what a k-token draft costs to verify."""
-    from transformers import DynamicCache
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = cost_model(small).to(device=device, dtype=dtype).eval()
-    params = sum(p.numel() for p in model.parameters())
-    rows = []
-    with torch.inference_mode():
-        for batch in batches if not small else batches[:3]:
-            ctx = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
-            base = None
-            for k in ks:
-                times = []
-                for _ in range(repeats + 1):  # the first one warms up
-                    cache = DynamicCache(config=model.config)
-                    model(input_ids=ctx, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    new = torch.randint(0, model.config.vocab_size, (batch, k + 1), device=device)
-                    _sync(device)
-                    t = time.perf_counter()
-                    model(input_ids=new, past_key_values=cache, use_cache=True)
-                    _sync(device)
-                    times.append(time.perf_counter() - t)
-                sec = sorted(times[1:])[len(times[1:]) // 2]
-                base = sec if k == 0 else base
-                rows.append({"params_m": round(params / 1e6), "batch": batch, "draft_tokens": k,
-                             "forward_ms": 1e3 * sec, "vs_decode_step": sec / base})
-    return rows
+def latency_tables(out: Path, device: str, small: bool, context: int = 1024) -> list[str]:
+    """The engine's own forward path (slot KV cache, 4D mask, ragged block; bench.latency) in bf16
+    (float32 on CPU) over live rows 1..256 x 0..24 draft tokens per row, one latency-table CSV
+    per model shape (``python -m bench.latency predict RUN --table`` reads them)."""
+    from .engines.torch_ref import TorchRefEngine
+    from .latency import profile
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    shapes = ((None, None),) if small else GPU_SHAPES
+    rows = (1, 4, 16) if small else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    query = (1, 2, 5, 9) if small else (1, 2, 3, 5, 9, 17, 25)
+    context = 64 if small else context
+    lines = []
+    for shape, layers in shapes:
+        t = time.perf_counter()
+        engine = TorchRefEngine(device=device, dtype=dtype, threads=None if device.startswith("cuda") else 2)
+        engine.load(shape_checkpoint(out, shape, layers))
+        table = profile(engine, rows, query, (context,), repeats=5, progress=False)
+        name = f"{shape or 'small'}{f'-{layers}L' if layers else ''}"
+        table["model"] = f"{name}: " + table["model"]
+        table.to_csv(out / f"latency_{name}.csv", index=False)
+        pivot = table.pivot(index="query", columns="rows", values="seconds")
+        ratio = pivot / pivot.loc[1]  # a pass over 1 + k tokens per row vs one decode step, same rows
+        ratio.index = [f"k={q - 1}" for q in ratio.index]
+        lines.append(f"\nverify cost (pass over 1+k tokens per row / one decode step) by live rows, "
+                     f"{name} ({table['model'].iat[0]}), {dtype}, context {context}, "
+                     f"{time.perf_counter() - t:.0f} s:\n")
+        lines.append(ratio.round(2).to_string())
+        lines.append(f"decode step ms by live rows: " + ", ".join(
+            f"{r}: {1e3 * v:.2f}" for r, v in pivot.loc[1].items()))
+        del engine
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return lines
 
 
 def main(argv=None) -> None:
@@ -130,23 +142,13 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     lines.append(f"gpu-marked tests: {run_gpu_tests(out)}")
     lines += replay_engines(out, args.device, args.max_steps)
-    import pandas as pd
-    curve = pd.DataFrame(verification_cost(args.device, args.small))
-    curve.to_csv(out / "verification_cost.csv", index=False)
-    pivot = curve.pivot(index="draft_tokens", columns="batch", values="vs_decode_step")
-    lines.append("\nverification cost (forward over k+1 tokens / one decode step), "
-                 f"{curve['params_m'].iat[0]}M-parameter Llama, 512-token context:\n")
-    lines.append(pivot.to_markdown(floatfmt=".2f") if _has_tabulate() else pivot.round(2).to_string())
+    lines += latency_tables(out, args.device, args.small)
     if (out / "engines.md").exists():
         lines.append("\n" + (out / "engines.md").read_text())
     lines.append(f"\ntotal {time.perf_counter() - t0:.0f} s; files in {out}")
     text = "\n".join(lines)
     (out / "summary.md").write_text(text)
     print(text)
-
-
-def _has_tabulate() -> bool:
-    return importlib.util.find_spec("tabulate") is not None
 
 
 if __name__ == "__main__":

@@ -222,17 +222,17 @@ def profile(engine, rows: Sequence[int] = DEFAULT_ROWS, query: Sequence[int] = D
     from tqdm.auto import tqdm
 
     from .results import environment
-    grid = [(r, q, c) for r in rows for q in query for c in context]
+    grid = [(r, c) for r in rows for c in context]
     env = environment()
     hardware = env["hardware"].get("gpu") or env["hardware"].get("cpu", "?")
     cfg = engine.model.config
     shape = ModelShape.from_config(cfg.to_dict(), "profiled")
     out = []
     from .engines.torch_timing import time_forward
-    for r, q, c in tqdm(grid, desc="latency profile", disable=not progress, unit="shape"):
-        times = time_forward(engine, r, q, c, repeats)
-        out.append({"rows": r, "query": q, "context": c, "seconds": float(np.median(times)),
-                    "seconds_min": float(np.min(times)), "seconds_max": float(np.max(times))})
+    for r, c in tqdm(grid, desc="latency profile", disable=not progress, unit="prefill"):
+        for q, times in time_forward(engine, r, list(query), c, repeats).items():
+            out.append({"rows": r, "query": q, "context": c, "seconds": float(np.median(times)),
+                        "seconds_min": float(np.min(times)), "seconds_max": float(np.max(times))})
     frame = pd.DataFrame(out)
     frame["engine"] = engine.name
     frame["hardware"] = hardware

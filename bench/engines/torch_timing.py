@@ -4,7 +4,7 @@
 
 ``time_forward`` runs the engine's real path (slot KV cache, ragged block, additive 4D mask,
 explicit positions) on synthetic rows: ``rows`` rows with ``context`` cached tokens each feed one
-pending token plus a chain of ``query - 1`` draft tokens. ``cached_latency_table`` profiles a
+pending token plus a chain of ``query - 1`` draft tokens, for every query width over one prefill. ``cached_latency_table`` profiles a
 small grid once per model architecture, dtype, thread count and machine and keeps it on disk, so
 the ``throughput_optimal`` policy decides from the same table in every later run.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from typing import Sequence
 
 import torch
 
@@ -26,27 +27,33 @@ AUTO_QUERY = (1, 2, 3, 5, 9, 17, 25)
 AUTO_CONTEXT = (32, 256)
 
 
-def time_forward(engine: TorchRefEngine, rows: int, query: int, context: int, repeats: int = 5) -> list[float]:
-    """Seconds of ``repeats`` forward passes of one shape (after one untimed warm-up pass)."""
-    gen = torch.Generator().manual_seed(rows * 1_000_003 + query * 1_009 + context)
+def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], context: int,
+                 repeats: int = 5) -> dict[int, list[float]]:
+    """Seconds of ``repeats`` forward passes for each query width over one prefilled context
+    (after one untimed warm-up pass per width): {query: [seconds, ...]}."""
+    width = max(queries)
+    gen = torch.Generator().manual_seed(rows * 1_000_003 + context)
     vocab = engine.model.config.vocab_size
-    tokens = torch.randint(3, vocab, (rows, context + query), generator=gen).tolist()
-    cache = SlotKVCache(capacity=context + query + 1)
-    cache.add_rows(rows, context + query + 1)
+    tokens = torch.randint(3, vocab, (rows, context + width), generator=gen).tolist()
+    cache = SlotKVCache(capacity=context + width + 1)
+    cache.add_rows(rows, context + width + 1)
     live = [_Row(Request(RolloutKey("profile", i), toks[:context]), 0, toks[:context]) for i, toks in enumerate(tokens)]
+    out: dict[int, list[float]] = {}
     with torch.inference_mode():
         _forward(engine, live, [Draft() for _ in live], cache)  # prefill the context (untimed)
         for row in live:
             row.cached, row.pending = context - 1, [row.pending[-1]]
-        drafts = [Draft(toks[context:context + query - 1]) for toks in tokens]
-        times = []
-        for _ in range(repeats + 1):
-            t = time.perf_counter()
-            _forward(engine, live, drafts, cache)
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-    return times[1:]
+        for query in queries:  # each pass rewrites the same slots past the context: the prefix stays
+            drafts = [Draft(toks[context:context + query - 1]) for toks in tokens]
+            times = []
+            for _ in range(repeats + 1):
+                t = time.perf_counter()
+                _forward(engine, live, drafts, cache)
+                if engine.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            out[query] = times[1:]
+    return out
 
 
 def _forward(engine: TorchRefEngine, rows: list[_Row], drafts: list[Draft], cache: SlotKVCache):
