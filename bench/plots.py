@@ -2,12 +2,17 @@
 
     python -m bench.plots results/runs [more runs ...] --out results/figures
 
-One figure per (trace, engine, sampling) group, plus an engine comparison per (trace, sampling)
-where runs of two or more engines exist. Every function returns the paths it wrote.
+One figure per setup (``bench.collect.GROUP``: trace, engine, engine settings, hardware,
+sampling), plus an engine comparison per (trace, sampling) where runs of two or more engines
+exist, one bar series per engine setup. A file name carries the trace, the engine, a short hash of
+the engine settings and hardware (``setup_id``, e.g. ``s3f9a1c``: two setups of one engine never
+share a file) and the sampling; a title names the keys in which the engine's setups differ
+(``setup_label``). Every function returns the paths it wrote.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 from pathlib import Path
 from typing import Iterable
@@ -67,13 +72,42 @@ def _groups(df: pd.DataFrame, keys=GROUP):
         yield dict(zip(keys, key)), grp
 
 
-def _title(what: str, g: dict) -> str:
+def setup_id(engine_config: str, hardware: str) -> str:
+    """A short stable name of an engine setup: 's' + 6 hex digits of its settings and hardware."""
+    return "s" + hashlib.sha1(f"{engine_config}\n{hardware}".encode()).hexdigest()[:6]
+
+
+def _pairs(label: str) -> dict[str, str]:
+    """'device=cpu, dtype=float32' -> {'device': 'cpu', 'dtype': 'float32'} (values may hold ', ')."""
+    parts = re.split(r", (?=[\w.\-]+=)", label or "")
+    return dict(p.split("=", 1) if "=" in p else (p, "") for p in parts if p)
+
+
+def setup_label(table: pd.DataFrame, engine: str, engine_config: str, hardware: str) -> str:
+    """The keys in which this setup differs from the engine's other setups in ``table``, e.g.
+    'dtype=bfloat16, cores=16'; '' when the engine has one setup there."""
+    rows = table[table["engine"] == engine][["engine_config", "hardware"]].drop_duplicates()
+    setups = [{**_pairs(c), **_pairs(h)} for c, h in zip(rows["engine_config"], rows["hardware"])]
+    if len(setups) < 2:
+        return ""
+    mine = {**_pairs(engine_config), **_pairs(hardware)}
+    keys = sorted({k for d in setups for k in d if len({d.get(k) for d in setups}) > 1})
+    return ", ".join(f"{k}={mine.get(k, 'unset')}" for k in keys)
+
+
+def _title(what: str, g: dict, table: pd.DataFrame | None = None) -> str:
     where = f"trace {g['trace']}" + (f" · engine {g['engine']}" if "engine" in g else "")
+    if table is not None and "engine_config" in g:
+        label = setup_label(table, g["engine"], g["engine_config"], g["hardware"])
+        if label:
+            return (f"{what}\n{where} · {_short(g['sampling'])}\n"
+                    f"setup {setup_id(g['engine_config'], g['hardware'])}: {label}")
     return f"{what}\n{where} · {_short(g['sampling'])}"
 
 
 def _name(what: str, g: dict) -> str:
-    return _slug(what, g["trace"], g.get("engine", ""), _sampling_slug(g["sampling"]))
+    setup = setup_id(g["engine_config"], g["hardware"]) if "engine_config" in g else ""
+    return _slug(what, g["trace"], g.get("engine", ""), setup, _sampling_slug(g["sampling"]))
 
 
 def plot_speedup(col: Collection, out_dir: Path) -> list[Path]:
@@ -97,7 +131,7 @@ def plot_speedup(col: Collection, out_dir: Path) -> list[Path]:
                         fontsize=9, fontweight="bold", transform=ax.get_xaxis_transform())
             ax.set_xticks(x, grp["method"], rotation=20 if len(grp) > 3 else 0)
             ax.set_ylabel("speedup over baseline (×)")
-            ax.set_title(_title("Rollout speedup (error bars: ± s.d. across steps)", g))
+            ax.set_title(_title("Rollout speedup (error bars: ± s.d. across steps)", g, col.table))
             paths += _save(fig, out_dir, _name("speedup", g))
     return paths
 
@@ -121,7 +155,7 @@ def plot_step_curves(col: Collection, out_dir: Path) -> list[Path]:
                 ax.set_xlabel("training step")
                 ax.xaxis.get_major_locator().set_params(integer=True)
             axes[0].legend()
-            fig.suptitle(_title("Drafting quality over training", g), fontsize=10)
+            fig.suptitle(_title("Drafting quality over training", g, col.table), fontsize=10)
             paths += _save(fig, out_dir, _name("step_curves", g))
     return paths
 
@@ -141,7 +175,7 @@ def plot_rollout_time(col: Collection, out_dir: Path) -> list[Path]:
             ax.set_ylim(bottom=0)
             ax.xaxis.get_major_locator().set_params(integer=True)
             ax.legend()
-            ax.set_title(_title("Rollout time per step", g))
+            ax.set_title(_title("Rollout time per step", g, col.table))
             paths += _save(fig, out_dir, _name("rollout_time", g))
     return paths
 
@@ -167,35 +201,40 @@ def plot_accepted_length_hist(col: Collection, out_dir: Path) -> list[Path]:
             ax.set_ylabel("fraction of drafts")
             ax.xaxis.get_major_locator().set_params(integer=True)
             ax.legend()
-            ax.set_title(_title("Accepted-length distribution", g))
+            ax.set_title(_title("Accepted-length distribution", g, col.table))
             paths += _save(fig, out_dir, _name("accepted_length", g))
     return paths
 
 
 def plot_engine_comparison(col: Collection, out_dir: Path) -> list[Path]:
-    """Grouped bars method x engine (speedup, tokens/s); only where >= 2 engines ran."""
+    """Grouped bars method x engine setup (speedup, tokens/s); only where >= 2 engines ran. An
+    engine with several setups (settings or hardware) gets one series per setup."""
     paths = []
     for g, grp in _groups(col.table, keys=("trace", "sampling")):
-        engines = sorted(grp["engine"].unique())
-        if len(engines) < 2:
+        if grp["engine"].nunique() < 2:
             continue
+        series = sorted(set(zip(grp["engine"], grp["engine_config"], grp["hardware"])))
         methods = sorted(grp["method"].unique(), key=lambda m: (m != BASELINE, m))
-        width, x = 0.8 / len(engines), np.arange(len(methods))
+        width, x = 0.8 / len(series), np.arange(len(methods))
         with plt.rc_context(STYLE):
-            fig, axes = plt.subplots(1, 2, figsize=(max(9, 2.6 * len(methods)), 3.8),
+            fig, axes = plt.subplots(1, 2, figsize=(max(9, 0.9 * len(series) * len(methods) + 2), 3.8),
                                      layout="constrained")
             for ax, metric, label in zip(axes, ("speedup", "tokens_per_s"),
-                                         ("speedup over own engine's baseline (×)",
+                                         ("speedup over own setup's baseline (×)",
                                           "output tokens per second")):
-                for i, engine in enumerate(engines):
-                    e = grp[grp["engine"] == engine].set_index("method").reindex(methods)
+                for i, (engine, config, hardware) in enumerate(series):
+                    e = grp[(grp["engine"] == engine) & (grp["engine_config"] == config)
+                            & (grp["hardware"] == hardware)].set_index("method").reindex(methods)
                     err = e["speedup_std"] if metric == "speedup" else None
-                    ax.bar(x + (i - (len(engines) - 1) / 2) * width, e[metric], width=width,
-                           yerr=err, capsize=3, label=engine, color=plt.get_cmap("Set2")(i))
+                    setup = setup_label(col.table, engine, config, hardware)
+                    ax.bar(x + (i - (len(series) - 1) / 2) * width, e[metric], width=width,
+                           yerr=err, capsize=3, label=f"{engine} ({setup})" if setup else engine,
+                           color=plt.get_cmap("Set2")(i % 8))
                 ax.set_xticks(x, methods, rotation=20 if len(methods) > 3 else 0)
                 ax.set_ylabel(label)
             axes[0].axhline(1.0, color="0.3", lw=1, ls="--")
-            axes[0].legend(title="engine")
+            fig.legend(*axes[0].get_legend_handles_labels(), title="engine (setup)", fontsize=8,
+                       loc="outside lower center", ncols=min(3, len(series)))
             fig.suptitle(_title("Engine comparison", g), fontsize=10)
             paths += _save(fig, out_dir, _name("engines", g))
     return paths
