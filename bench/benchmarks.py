@@ -151,7 +151,9 @@ class TimedDrafter:
 
 def drafter_cost(trace_name: str = "countdown", steps: int = 12) -> list[dict]:
     """Replays the first ``steps`` steps with every exact method and reports the share of the
-    rollout wall time spent in the drafter (the harness must not be drafter-bound)."""
+    rollout wall time spent in the drafter (the harness must not be drafter-bound), with the
+    tokens per forward pass (output tokens / each rollout's passes, DESIGN.md section 5) and the
+    batch's forward passes (engine iterations)."""
     from pathlib import Path as _P
     from omegaconf import OmegaConf
     import hydra.utils
@@ -168,15 +170,19 @@ def drafter_cost(trace_name: str = "countdown", steps: int = 12) -> list[dict]:
         if mcfg.verify.rule != "exact" or mcfg.get("run_ahead"):
             continue
         drafter = TimedDrafter(hydra.utils.instantiate(mcfg.drafter))
-        wall = 0.0
+        wall, tokens, passes, iterations = 0.0, 0, 0, 0
         for step in trace.step_numbers[:steps]:
             eng.load(trace.checkpoint(step))
             drafter.begin_step(step)
             t = time.perf_counter()
-            eng.rollout(step_requests(trace, step, trace.sampling.n), sampling, drafter, VerifyConfig())
+            out = eng.rollout(step_requests(trace, step, trace.sampling.n), sampling, drafter, VerifyConfig())
             wall += time.perf_counter() - t
-        rows.append({"method": path.stem, "rollout_s": wall, "drafter_s": drafter.seconds,
-                     "drafter_share": drafter.seconds / wall, "us_per_call": 1e6 * drafter.seconds / max(drafter.calls, 1)})
+            tokens += sum(len(r.token_ids) for r in out if not r.run_ahead)
+            passes += sum(r.num_forward_passes for r in out if not r.run_ahead)
+            iterations += eng.last_iterations
+        rows.append({"method": path.stem, "tokens_per_step": tokens / passes, "batch_passes": iterations,
+                     "rollout_s": wall, "drafter_s": drafter.seconds, "drafter_share": drafter.seconds / wall,
+                     "us_per_call": 1e6 * drafter.seconds / max(drafter.calls, 1)})
     return rows
 
 
