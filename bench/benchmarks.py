@@ -6,6 +6,7 @@
     python -m bench.benchmarks drafter-cost   # drafter time as a share of rollout time, default trace
     python -m bench.benchmarks near-ties      # CDF shift, batched/tree vs one-token forward, per dtype
     python -m bench.benchmarks identity       # bf16 identity rate of every exact method, near-ties
+    python -m bench.benchmarks simulate-scale # bench.simulate on 8 steps x 128 rollouts x 4,096 tokens: time, RSS
 
 Each figure is the median of interleaved repeats; a ratio is the median of back-to-back pairs
 (min and max beside it), which holds when the machine's speed drifts.
@@ -409,6 +410,148 @@ def exact_identity(dtype: str = "bfloat16", vocab: int = 2048, hidden: int = 64,
     return out
 
 
+SCALE_METHODS = ("baseline", "prefix_reuse_exact", "future_oracle")
+
+
+def _run_measured(cmd: list[str], timeout: float) -> dict:
+    """Wall seconds, peak RSS (MB, the child's own ru_maxrss), exit status, stdout and the last
+    line of stderr of a command."""
+    import os
+    import subprocess
+    t = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        deadline = t + timeout
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                status = os.waitstatus_to_exitcode(status)
+                break
+            if time.perf_counter() > deadline:
+                proc.kill()
+                pid, status, usage = os.wait4(proc.pid, 0)
+                status = -9
+                break
+            time.sleep(0.05)
+        wall = time.perf_counter() - t
+        out.seek(0)
+        text = out.read()
+        err.seek(0)
+        last = ([ln for ln in err.read().splitlines() if ln.strip() and "it/s" not in ln] or [""])[-1]
+    return {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024, "status": status, "stdout": text,
+            "error": last if status else ""}
+
+
+def _sim_parts(stdout: str) -> dict[str, float]:
+    """The per-part seconds of bench.simulate's last line ("simulated ... (part 1.2s, ...)")."""
+    import re
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("simulated ")), "")
+    inner = line[line.find("(") + 1:line.rfind(")")]
+    return {k: float(v) for k, v in re.findall(r"((?:cache oracle \[[^\]]*\])|[^\s,][^\s]*) ([\d.]+)s", inner)}
+
+
+def _cache_oracles(log_dir: str) -> None:
+    """Every distinct cache oracle of the simulable methods on a log, alone: seconds and tokens per step."""
+    from .simulate import (FUTURE_ORACLE, build_drafter, cache_bound, load_input, method_config,
+                           oracle_passes, simulable_methods)
+    steps, prompts, _ = load_input(log_dir)
+    max_new = max(len(t) for df in steps.values() for t in df["token_ids"])
+    tokens = sum(len(t) for df in steps.values() for t in df["token_ids"])
+    bounds: dict = {}
+    for m in simulable_methods():
+        if m != FUTURE_ORACLE:
+            b = cache_bound(build_drafter(m, method_config(m)))
+            bounds.setdefault(b._replace(budget=None) if b.budget is not None and b.budget >= max_new - 1 else b,
+                              []).append(m)
+    parts = []
+    for b, names in bounds.items():
+        t = time.perf_counter()
+        passes = oracle_passes(steps, max_new, b.in_flight, b.budget, b.scope, prompts)
+        parts.append(f"cache oracle [{b.label()}] {time.perf_counter() - t:.1f}s")
+        print(f"{b.label()} ({', '.join(names)}): {tokens / sum(passes.values()):.3f} tokens/step")
+    print(f"simulated 0 methods in 0s ({', '.join(parts)})")
+
+
+def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: int = 16, samples: int = 8,
+                   max_len: int = 4096, probe_prompts: int = 2, timeout: float = 600.0) -> list[dict]:
+    """``python -m bench.simulate`` on a synthetic log of steps x (prompts x samples) rollouts of at
+    most ``max_len`` tokens (``bench.simulate.synthetic_log``: vocabulary 151,936, per-prompt
+    templates that rollouts copy with edits, long-tailed lengths), each run in its own process:
+    wall seconds and peak RSS of the whole command, and the seconds of each part (every method's
+    replay, every cache oracle). First ``methods`` together on the whole log; then each ``probe``
+    method (default: every other simulable method) alone on the same log cut to ``probe_prompts``
+    prompts (every step, so each prompt's cache is as large as in the whole log), with its time
+    scaled by the token ratio as an estimate for the whole log. Last, the oracle's structure for
+    one rollout: suffix automaton states against the nodes of the old oracle's depth-max_len trie.
+    """
+    import sys
+    from methods.oracle import SuffixAutomaton
+    from methods.suffix_tree import SuffixTrie
+    from .simulate import simulable_methods, synthetic_log, write_log
+    t = time.perf_counter()
+    log, _ = synthetic_log(steps=steps, prompts=prompts, samples=samples, max_len=max_len)
+    gen_s = time.perf_counter() - t
+    tokens = sum(len(x) for df in log.values() for x in df["token_ids"])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        full = write_log(log, Path(tmp) / "full")
+        cmd = [sys.executable, "-m", "bench.simulate", str(full), *[a for m in methods for a in ("--method", m)]]
+        r = _run_measured(cmd, timeout)
+        print(f"$ python -m bench.simulate LOG {' '.join(cmd[4:])}   (log generated in {gen_s:.1f}s)")
+        print(r["stdout"])
+        rows.append({"run": "together, whole log", "methods": ",".join(methods), "tokens": tokens,
+                     "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
+                     "parts": "; ".join(f"{k} {v:.1f}s" for k, v in _sim_parts(r["stdout"]).items())})
+        r = _run_measured([sys.executable, "-c", "import sys; from bench.benchmarks import _cache_oracles; "
+                           "_cache_oracles(sys.argv[1])", str(full)], timeout)
+        print("every distinct cache oracle alone, whole log:\n" + r["stdout"])
+        rows.append({"run": "cache oracles alone, whole log", "methods": "(of every simulable method)",
+                     "tokens": tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
+                     "parts": "; ".join(f"{k} {v:.1f}s" for k, v in _sim_parts(r["stdout"]).items())})
+        keep = {f"p{i}" for i in range(probe_prompts)}
+        cut = {s: df[df["prompt_id"].isin(keep)].reset_index(drop=True) for s, df in log.items()}
+        cut_tokens = sum(len(x) for df in cut.values() for x in df["token_ids"])
+        small = write_log(cut, Path(tmp) / "cut")
+        probe = [m for m in simulable_methods() if m not in methods] if probe is None else list(probe)
+        base = _run_measured([sys.executable, "-c", "import bench.simulate"], timeout)
+        rows.append({"run": "imports only", "methods": "", "tokens": 0, "wall_s": base["wall_s"],
+                     "peak_rss_mb": base["peak_rss_mb"], "status": base["status"], "parts": ""})
+        ratio = tokens / cut_tokens
+        for m in probe:
+            r = _run_measured([sys.executable, "-m", "bench.simulate", str(small), "--method", m], timeout)
+            parts = _sim_parts(r["stdout"])
+            own = parts.get(m, float("nan"))
+            oracle = sum(v for k, v in parts.items() if k.startswith("cache oracle"))
+            rss = base["peak_rss_mb"] + (r["peak_rss_mb"] - base["peak_rss_mb"]) * ratio
+            if r["status"]:
+                rows.append({"run": f"alone, {probe_prompts} of {prompts} prompts", "methods": m,
+                             "tokens": cut_tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"],
+                             "status": r["status"], "parts": f"failed: {r['error']}"})
+                continue
+            rows.append({"run": f"alone, {probe_prompts} of {prompts} prompts", "methods": m, "tokens": cut_tokens,
+                         "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
+                         "parts": (f"{m} {own:.1f}s ({1e6 * own / cut_tokens:.0f} us/token); cache oracle "
+                                   f"{oracle:.1f}s; whole log x{ratio:.1f}: ~{own * ratio:.0f}s, ~{rss:.0f} MB")})
+    import random
+    rng = random.Random(0)
+    text = [rng.randrange(151_936) for _ in range(max_len)]
+    for n in sorted({min(1024, max_len), max_len}):
+        sam = SuffixAutomaton()
+        t = time.perf_counter()
+        sam.extend(0, text[:n])
+        sam_s = time.perf_counter() - t
+        detail = f"automaton {sam.num_states} states, ~{sam.approx_bytes() / 1e6:.2f} MB, {sam_s:.3f}s"
+        if n <= 1024:
+            trie = SuffixTrie(n)
+            t = time.perf_counter()
+            trie.extend(0, text[:n])
+            detail += (f"; old oracle trie (depth {n}) {trie.num_nodes} nodes, ~{trie.approx_bytes() / 1e6:.0f} MB, "
+                       f"{time.perf_counter() - t:.1f}s")
+        rows.append({"run": f"one {n}-token rollout", "methods": "cache oracle structure", "tokens": n,
+                     "wall_s": float("nan"), "peak_rss_mb": float("nan"), "status": 0, "parts": detail})
+    return rows
+
+
 def _print(rows: list[dict]) -> None:
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
@@ -420,7 +563,7 @@ def _print(rows: list[dict]) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["engine-vs-hf", "oracle", "suffix-tree", "drafter-cost", "near-ties",
-                                      "identity"])
+                                      "identity", "simulate-scale"])
     ap.add_argument("--trace", default="countdown", help="drafter-cost: the bundled trace to replay")
     ap.add_argument("--steps", type=int, default=12, help="drafter-cost: steps to replay")
     ap.add_argument("--repeats", type=int, default=5)
@@ -432,6 +575,11 @@ def main(argv=None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0, help="near-ties: sampling top_p")
     ap.add_argument("--device", default="cpu", help="near-ties, identity: torch device (cuda on a GPU machine)")
     ap.add_argument("--dtype", default="bfloat16", help="identity: engine dtype")
+    ap.add_argument("--methods", default=",".join(SCALE_METHODS),
+                    help="simulate-scale: methods simulated together on the whole log (comma-separated)")
+    ap.add_argument("--probe", default=None,
+                    help="simulate-scale: methods timed alone on a cut of the log (comma-separated, 'none'; "
+                         "default every other simulable method)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
@@ -441,6 +589,9 @@ def main(argv=None) -> None:
         return _print(drafter_cost(args.trace, args.steps))
     if args.which == "identity":
         return _print(exact_identity(dtype=args.dtype, device=args.device))
+    if args.which == "simulate-scale":
+        probe = None if args.probe is None else [m for m in args.probe.split(",") if m and m != "none"]
+        return _print(simulate_scale(methods=args.methods.split(","), probe=probe))
     if args.which == "near-ties":
         return _print(near_tie_shift(vocab=args.vocab, hidden=args.hidden, layers=args.layers, scale=args.scale,
                                      top_p=args.top_p, device=args.device))

@@ -15,17 +15,29 @@ recorded tokens are exhausted. Each iteration opens with ``bench.drafting.report
 live rows and their output lengths), as in the engine. The counters are the engine's, so
 ``bench.stats`` applies as is.
 
-``oracle_tokens_per_step`` is the best any copying drafter could do with the same cache contents:
-at each iteration a row's accepted length is the longest prefix of its remaining recorded tokens,
-capped by the same budget, that occurs as a contiguous run anywhere in the texts of the prompt's
-cache at that moment, and the row advances by that plus the bonus token (its own iteration, so
-the oracle's siblings advance at the oracle's pace). The cache texts are every recorded rollout of
-the same prompt finished before that iteration (all earlier steps, and siblings of this step that
-already finished, as a finish-time history cache holds them), plus, for drafters that read
-in-flight tokens (``in_flight`` tree caches, hybrid), the tokens emitted so far this step by the
-prompt's running rollouts (its own included). It is a per-prompt bound: suffix_global's global trie may beat it on
-repeats across prompts. Methods with the lenient ``ratio`` rule are refused (they need both
-policies' probabilities: ``python -m bench.bias`` measures them); run-ahead needs the engine.
+Two oracles, not to be confused:
+
+- ``future_oracle`` (a method, ``--method future_oracle``) knows the future: every iteration it
+  drafts the rollout's whole remaining recorded continuation, so each rollout takes one forward
+  pass. It bounds what any drafter could gain on that rollout, whatever its cache.
+- ``cache_oracle_tokens_per_step`` (a column beside every method) is the best any copying drafter
+  could do with the same cache contents as that method, under that method's draft budget: a bound
+  for that method (``tests/test_simulate.py`` asserts it, per rollout). At each iteration a row's
+  accepted length is the longest prefix of its remaining recorded tokens, capped by the budget,
+  that occurs as a contiguous run anywhere in the cache texts at that moment; the row advances by
+  that plus the bonus token (its own iteration, so the oracle's siblings advance at the oracle's
+  pace: they are never behind the method's, so its cache holds at least the method's). The
+  ``cache_oracle`` column names the cache and the budget (``cache_bound``): ``prompt`` caches hold
+  the same prompt's recorded rollouts finished before that iteration (all earlier steps, and
+  siblings of this step that already finished, as a finish-time history cache holds them), plus,
+  ``in flight``, the tokens emitted so far this step by the prompt's running rollouts (its own
+  included); ``all prompts`` (suffix_global, and any drafter the table does not know) holds every
+  rollout's prompt and response, in flight. The budget is the method's ``max_spec_tokens`` (each
+  draft also fits the engine's ``max_new_tokens - len(output) - 1``). The texts live in a suffix
+  automaton (``methods.oracle.SuffixAutomaton``), linear in the tokens whatever the budget.
+
+Methods with the lenient ``ratio`` rule are refused (they need both policies' probabilities:
+``python -m bench.bias`` measures them); run-ahead needs the engine.
 
 Inputs: a trace directory (its recorded rollouts and prompts), or a folder of run logs alone:
 one jsonl or parquet file per step named ``step_<N>`` (``step_00003.parquet``, ``step_3.jsonl``)
@@ -36,15 +48,21 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import pandas as pd
 
 from methods.base import Draft, NullDrafter, Rollout, RolloutKey
-from methods.oracle import OracleDrafter
-from methods.suffix_tree import SuffixTrie
+from methods.baseline import Baseline
+from methods.history_spec import HistorySpecDrafter
+from methods.hybrid import HybridDrafter
+from methods.oracle import OracleDrafter, SuffixAutomaton
+from methods.prefix_reuse import PrefixReuseDrafter
+from methods.suffix_global import SuffixGlobalDrafter
+from methods.tree_cache import TreeCacheDrafter
 
 from .drafting import DraftCounters, next_draft, report_live
 from .errors import UserError
@@ -61,7 +79,8 @@ LOG_LAYOUT = ("a trace directory (trace.yaml with recorded rollouts/step_XXXXX.p
               "optional prompt_token_ids, logprobs, reward")
 ROW_COLUMNS = ("method", "step", "prompt_id", "sample_idx", "output_len", "num_drafts", "num_draft_tokens",
                "num_accepted_tokens", "num_accepted_tokens_per_pos", "num_forward_passes",
-               "oracle_num_forward_passes", "finish_reason", "reward")
+               "cache_oracle_num_forward_passes", "cache_oracle", "finish_reason", "reward")
+FUTURE_ORACLE = "future_oracle"
 
 
 class SimulationError(UserError, ValueError):
@@ -69,13 +88,13 @@ class SimulationError(UserError, ValueError):
 
 
 class RecordedOracle(NullDrafter):
-    """The oracle drafter over the recorded rollouts: each step's futures are that step's tokens.
+    """The future oracle over the recorded rollouts: each step's futures are that step's tokens.
 
-    Selected with ``--method oracle``: every iteration drafts the whole remaining recorded
+    Selected with ``--method future_oracle``: every iteration drafts the whole remaining recorded
     continuation, so each rollout takes one forward pass (the upper bound of any drafter).
     """
 
-    name = "oracle"
+    name = FUTURE_ORACLE
 
     def __init__(self, max_spec_tokens: int | None = None):
         self.max_spec_tokens = max_spec_tokens
@@ -100,7 +119,7 @@ class RecordedOracle(NullDrafter):
 # ---------------------------------------------------------------- methods
 
 def method_config(name: str):
-    """The method's config (``conf/method/<name>.yaml``); ``oracle`` is the built-in recorded oracle.
+    """The method's config (``conf/method/<name>.yaml``); ``future_oracle`` is the built-in recorded oracle.
 
     ``NAME:knob=value,knob=value`` is that config with drafter knobs overridden (values read as
     YAML), e.g. ``tree_cache:match=best`` or ``seer:max_batch_draft_tokens=null``.
@@ -118,18 +137,18 @@ def method_config(name: str):
             cfg.drafter[knob.strip()] = yaml.safe_load(value)
         cfg.name = name
         return cfg
-    if name == "oracle":
-        return OmegaConf.create({"name": "oracle", "drafter": {"_target_": "bench.simulate.RecordedOracle"},
+    if name == FUTURE_ORACLE:
+        return OmegaConf.create({"name": FUTURE_ORACLE, "drafter": {"_target_": "bench.simulate.RecordedOracle"},
                                  "verify": {"rule": "exact"}, "run_ahead": False})
     path = METHOD_DIR / f"{name}.yaml"
     if not path.exists():
-        known = sorted(p.stem for p in METHOD_DIR.glob("*.yaml")) + ["oracle"]
+        known = sorted(p.stem for p in METHOD_DIR.glob("*.yaml")) + [FUTURE_ORACLE]
         raise SimulationError(f"unknown method {name!r}: {path} does not exist; known methods: {known}")
     return OmegaConf.load(path)
 
 
 def simulable_methods() -> list[str]:
-    """Every configured method simulation can run (exact rules, no run-ahead), plus the oracle."""
+    """Every configured method simulation can run (exact rules, no run-ahead), plus the future oracle."""
     out = []
     for p in sorted(METHOD_DIR.glob("*.yaml")):
         try:
@@ -137,7 +156,7 @@ def simulable_methods() -> list[str]:
         except SimulationError:
             continue
         out.append(p.stem)
-    return out + ["oracle"]
+    return out + [FUTURE_ORACLE]
 
 
 def check_simulable(name: str, cfg) -> None:
@@ -172,15 +191,66 @@ def uses_in_flight(drafter) -> bool:
     return bool(getattr(inner if inner is not None else drafter, "in_flight", False))
 
 
+class CacheBound(NamedTuple):
+    """What the cache oracle beside a method may copy from: ``scope`` ``none`` (drafts nothing),
+    ``prompt`` (the prompt's own rollouts) or ``all`` (every rollout's prompt and response); with
+    ``in_flight`` the running rollouts' tokens too; ``budget`` draft tokens per iteration (None:
+    only the engine's ``max_new_tokens - len(output) - 1``)."""
+
+    scope: str
+    in_flight: bool
+    budget: int | None
+
+    def label(self) -> str:
+        if self.scope == "none":
+            return "no cache (budget 0)"
+        where = "prompt" if self.scope == "prompt" else "all prompts"
+        return (f"{where}, {'in flight' if self.in_flight else 'finished'}, "
+                f"budget {'engine' if self.budget is None else self.budget}")
+
+
+def cache_bound(drafter) -> CacheBound | None:
+    """The cache and budget that bound a drafter's accepted tokens; None for the future oracle.
+
+    | drafter | its cache | bound |
+    | --- | --- | --- |
+    | baseline | none | budget 0 |
+    | prefix_reuse(_exact), history_spec | the prompt's earlier rollouts | prompt, finished |
+    | tree_cache (and das, seer) | the prompt's rollouts, running ones with ``in_flight`` | prompt |
+    | hybrid | prefix reuse + tree cache | prompt, the tree's in_flight, budget max of both parts |
+    | suffix_global | every response, and the request's prompt + output | all prompts, in flight |
+    | any other | unknown | all prompts, in flight, the engine budget |
+
+    Every draft token of these drafters is copied from a contiguous run of their cache texts (a
+    trie path is a substring of one inserted sequence), so the accepted tokens of one iteration
+    are a run of those texts that continues the rollout: at most the oracle's. A drafter that
+    generates tokens from elsewhere (a model) is not bounded by it. The ``all`` scope for
+    suffix_global with ``in_flight=False`` is wider than its cache, still a bound.
+    """
+    if isinstance(drafter, RecordedOracle):
+        return None
+    if isinstance(drafter, Baseline):
+        return CacheBound("none", False, 0)
+    if isinstance(drafter, HybridDrafter):
+        parts = (drafter.prefix.max_spec_tokens, drafter.tree_cache.max_spec_tokens)
+        return CacheBound("prompt", uses_in_flight(drafter), None if None in parts else max(parts))
+    if isinstance(drafter, SuffixGlobalDrafter):
+        return CacheBound("all", True, drafter.max_spec_tokens)
+    if isinstance(drafter, (TreeCacheDrafter, HistorySpecDrafter, PrefixReuseDrafter)):
+        return CacheBound("prompt", uses_in_flight(drafter), drafter.max_spec_tokens)
+    return CacheBound("all", True, None)
+
+
 # ---------------------------------------------------------------- the replay loop
 
 class _Live:
-    __slots__ = ("key", "rec", "logprobs", "reward", "finish_reason", "pos", "counters")
+    __slots__ = ("key", "rec", "logprobs", "reward", "finish_reason", "pos", "out", "counters")
 
     def __init__(self, key, rec, logprobs, reward, finish_reason):
         self.key, self.rec, self.logprobs, self.reward = key, rec, logprobs, reward
         self.finish_reason = finish_reason
         self.pos = 0
+        self.out: list[int] = []  # rec[:pos], grown in place as the engine grows a row's output
         self.counters = DraftCounters()
 
 
@@ -222,7 +292,7 @@ def _run_step(drafter, step: int, rows: list[_Live], prompts: Mapping[str, list[
     live = rows
     while live:
         report_live(drafter, [(r.key, r.pos) for r in live])
-        drafts = [next_draft(drafter, r.key, r.rec[:r.pos], max_new_tokens) for r in live]
+        drafts = [next_draft(drafter, r.key, r.out, max_new_tokens) for r in live]
         for r, d in zip(live, drafts):
             if r.pos < len(r.rec):
                 emitted, accepted = _accept(r.rec, r.pos, d)
@@ -230,6 +300,7 @@ def _run_step(drafter, step: int, rows: list[_Live], prompts: Mapping[str, list[
                 emitted, accepted = [], 0
             r.counters.record(len(d), accepted)
             r.pos += len(emitted)
+            r.out += emitted
             drafter.observe(r.key, emitted)
         keep = []
         for r in live:
@@ -245,49 +316,57 @@ def _run_step(drafter, step: int, rows: list[_Live], prompts: Mapping[str, list[
     return finished
 
 
-# ---------------------------------------------------------------- the oracle
+# ---------------------------------------------------------------- the cache oracle
 
-def _longest_prefix(trie: SuffixTrie, rec: list[int], t: int, limit: int) -> int:
-    """Largest m <= limit with rec[t:t+m] a root path of the trie (prefixes of a path are paths)."""
-    lo, hi = 0, min(limit, len(rec) - t, trie.max_depth)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if trie.find(rec, t, t + mid) is not None:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def oracle_passes(rollouts_by_step: Mapping[int, pd.DataFrame], max_new_tokens: int, in_flight: bool,
+                  budget: int | None = None, scope: str = "prompt",
+                  prompts: Mapping[str, list[int]] | None = None) -> dict[tuple[int, str, int], int]:
+    """Forward passes per (step, prompt_id, sample_idx) of the cache oracle (module docstring).
 
-
-def oracle_passes(rollouts_by_step: Mapping[int, pd.DataFrame], max_new_tokens: int,
-                  in_flight: bool) -> dict[tuple[int, str, int], int]:
-    """Forward passes per (step, prompt_id, sample_idx) of the cache oracle (module docstring)."""
-    tries: dict[str, SuffixTrie] = {}
+    ``scope``: ``prompt`` (one automaton per prompt: its responses), ``all`` (one automaton:
+    every rollout's prompt, then its response; always in flight) or ``none`` (budget 0: one
+    token per pass). ``budget``: draft tokens per iteration (None: the engine's only).
+    Memory and time are linear in the tokens (``SuffixAutomaton``), whatever the budget.
+    """
+    if scope == "none" or budget == 0:
+        return {(step, str(p), int(i)): max(1, min(len(t), max_new_tokens))
+                for step, df in rollouts_by_step.items()
+                for p, i, t in zip(df["prompt_id"], df["sample_idx"], df["token_ids"])}
+    if scope not in ("prompt", "all"):
+        raise ValueError(f"scope must be none, prompt or all, got {scope!r}")
+    in_flight = in_flight or scope == "all"
+    prompts = prompts or {}
+    caches: dict[str, SuffixAutomaton] = {}
     passes: dict[tuple[int, str, int], int] = {}
     seq = 0
     for step in sorted(rollouts_by_step):
         rows = _step_rows(rollouts_by_step[step], max_new_tokens)
-        ids = {}
+        ids, cache = {}, {}
         for r in rows:
-            tries.setdefault(r.key.prompt_id, SuffixTrie(max(1, max_new_tokens)))
+            pid = r.key.prompt_id
+            cache[r.key] = caches.setdefault(pid if scope == "prompt" else "", SuffixAutomaton())
             ids[r.key], seq = seq, seq + 1
+            if scope == "all":
+                cache[r.key].extend(ids[r.key], prompts.get(pid, ()))
         live = rows
         while live:
             lengths = []
             for r in live:  # every row sees the cache as it was when the iteration began
-                budget = max_new_tokens - r.pos - 1
-                m = _longest_prefix(tries[r.key.prompt_id], r.rec, r.pos, budget) if budget > 0 else 0
+                limit = max_new_tokens - r.pos - 1
+                if budget is not None:
+                    limit = min(limit, budget)
+                m = cache[r.key].longest_prefix(r.rec, r.pos, limit) if limit > 0 else 0
                 lengths.append(min(m + 1, len(r.rec) - r.pos))
             for r, n in zip(live, lengths):
                 if in_flight and n > 0:
-                    tries[r.key.prompt_id].extend(ids[r.key], r.rec[r.pos:r.pos + n])
+                    cache[r.key].extend(ids[r.key], r.rec[r.pos:r.pos + n])
                 r.pos += n
                 r.counters.num_forward_passes += 1
             for r in live:
                 if r.pos >= len(r.rec):
                     passes[(step, r.key.prompt_id, r.key.sample_idx)] = r.counters.num_forward_passes
                     if not in_flight and r.rec:
-                        tries[r.key.prompt_id].extend(ids[r.key], r.rec)
+                        cache[r.key].extend(ids[r.key], r.rec)
             live = [r for r in live if r.pos < len(r.rec)]
     return passes
 
@@ -300,19 +379,33 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
 
     method_cfgs: name -> method config (a mapping with ``drafter`` and ``verify``, as in
     ``conf/method/<name>.yaml``) or a drafter instance (taken to be verified exactly). Each
-    method gets a fresh drafter that lives across all steps.
+    method gets a fresh drafter that lives across all steps. Beside each method's counters, the
+    cache oracle's forward passes under ``cache_bound(drafter)`` (one oracle run per distinct
+    bound). ``rows.attrs["timings"]``: seconds per method and per cache oracle.
     """
     if max_new_tokens < 1:
         raise SimulationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    drafters = {name: build_drafter(name, cfg) for name, cfg in method_cfgs.items()}
+    for name, cfg in method_cfgs.items():  # refuse before anything runs
+        if not hasattr(cfg, "propose"):
+            check_simulable(name, cfg)
     from tqdm.auto import tqdm
-    oracles: dict[bool, dict] = {}
+    oracles: dict[CacheBound, dict] = {}
+    timings: dict[str, float] = {}
     frames = []
-    for name, drafter in drafters.items():
-        flag = uses_in_flight(drafter)
-        if flag not in oracles:
-            oracles[flag] = oracle_passes(rollouts_by_step, max_new_tokens, flag)
+    for name, cfg in method_cfgs.items():
+        drafter = build_drafter(name, cfg)  # one at a time: a drafter's caches go when it is done
+        bound = cache_bound(drafter)
+        if bound is not None and bound.budget is not None and bound.budget >= max_new_tokens - 1:
+            bound = bound._replace(budget=None)  # the engine's budget is the tighter one everywhere
+        if bound is not None and bound not in oracles:
+            t0 = time.perf_counter()
+            oracles[bound] = oracle_passes(rollouts_by_step, max_new_tokens, bound.in_flight, bound.budget,
+                                           bound.scope, prompts)
+            timings[f"cache oracle [{bound.label()}]"] = time.perf_counter() - t0
+        passes = oracles.get(bound, {})
+        label = "" if bound is None else bound.label()
         out = []
+        t0 = time.perf_counter()
         for step in tqdm(sorted(rollouts_by_step), desc=f"simulate {name}", disable=not progress):
             rows = _step_rows(rollouts_by_step[step], max_new_tokens)
             order = {r.key: i for i, r in enumerate(rows)}
@@ -320,21 +413,30 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
             out += [(name, step, r.key.prompt_id, r.key.sample_idx, len(r.rec), r.counters.num_drafts,
                      r.counters.num_draft_tokens, r.counters.num_accepted_tokens,
                      r.counters.num_accepted_tokens_per_pos, r.counters.num_forward_passes,
-                     oracles[flag].get((step, r.key.prompt_id, r.key.sample_idx), 0), r.finish_reason, r.reward)
+                     passes.get((step, r.key.prompt_id, r.key.sample_idx), 0), label, r.finish_reason,
+                     r.reward)
                     for r in done]
+        timings[name] = time.perf_counter() - t0
+        del drafter
         frames.append(pd.DataFrame(out, columns=list(ROW_COLUMNS)))
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(ROW_COLUMNS))
+    rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(ROW_COLUMNS))
+    rows.attrs["timings"] = timings
+    return rows
 
 
 def summarize(rows: pd.DataFrame, per_step: bool = False) -> pd.DataFrame:
-    """Section-5 metrics per method (and step), via ``bench.stats``, plus oracle_tokens_per_step."""
+    """Section-5 metrics per method (and step), via ``bench.stats``, plus the cache oracle's
+    ``cache_oracle_tokens_per_step`` under the bound named in ``cache_oracle`` (NaN and blank for
+    the future oracle, which no cache bounds)."""
     by = ["method", "step"] if per_step else ["method"]
     out = rollout_metrics(rows, by)
     g = rows.groupby(by, dropna=False, sort=True)
     per_pos = g["num_accepted_tokens_per_pos"].agg(_sum_lists).reset_index()
-    oracle = g[["output_len", "oracle_num_forward_passes"]].sum().reset_index()
-    oracle["oracle_tokens_per_step"] = safe_div(oracle["output_len"], oracle["oracle_num_forward_passes"])
-    out = out.merge(per_pos, on=by).merge(oracle[by + ["oracle_tokens_per_step"]], on=by)
+    oracle = g[["output_len", "cache_oracle_num_forward_passes"]].sum().reset_index()
+    oracle["cache_oracle_tokens_per_step"] = safe_div(oracle["output_len"],
+                                                      oracle["cache_oracle_num_forward_passes"])
+    oracle["cache_oracle"] = g["cache_oracle"].first().to_numpy()
+    out = out.merge(per_pos, on=by).merge(oracle[by + ["cache_oracle_tokens_per_step", "cache_oracle"]], on=by)
     order = {m: i for i, m in enumerate(dict.fromkeys(rows["method"]))}  # the order methods were given
     return out.sort_values(by, key=lambda s: s.map(order) if s.name == "method" else s).reset_index(drop=True)
 
@@ -404,18 +506,90 @@ def _read_jsonl(path: Path) -> pd.DataFrame:
     return pd.DataFrame.from_records([r for _, r in iter_jsonl(path, SimulationError)])
 
 
+# ---------------------------------------------------------------- a synthetic log
+
+def synthetic_log(steps: int = 8, prompts: int = 16, samples: int = 8, max_len: int = 4096,
+                  vocab: int = 151_936, median_len: int = 2048, event_rate: float = 0.03,
+                  drift: float = 0.01, prompt_len: int = 128, eos: int = 2,
+                  seed: int = 0) -> tuple[dict[int, pd.DataFrame], dict[str, list[int]]]:
+    """A run log shaped like a real one, for scale checks: (rollouts by step, prompts).
+
+    Every step visits the same ``prompts`` prompts with ``samples`` rollouts each (a GRPO group).
+    Each prompt has a template (Zipf-distributed token ids over ``vocab``, twice ``max_len`` long)
+    that drifts by ``drift`` substitutions per token and step (the policy moves); a rollout copies
+    its template from the start and, at events of rate ``event_rate`` per token, substitutes a
+    token, inserts 1-8 fresh ones, or jumps up to 64 tokens back or ahead, so rollouts of one
+    prompt share long stretches (about 1 / event_rate tokens) with each other and with earlier
+    steps, and rollouts of different prompts share only frequent tokens. Lengths are long-tailed:
+    a per-prompt median (``median_len`` x lognormal(0, 0.5)) times lognormal(0, 0.5) per rollout,
+    cut at ``max_len`` (finish_reason ``length``; the others end with ``eos``).
+    """
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(vocab).astype(np.int32)
+    zipf = lambda n: perm[(rng.zipf(1.2, n) - 1) % vocab]
+    names = [f"p{i}" for i in range(prompts)]
+    prompt_ids = {p: [int(t) for t in zipf(prompt_len)] for p in names}
+    templates = {p: zipf(2 * max_len) for p in names}
+    medians = {p: median_len * rng.lognormal(0.0, 0.5) for p in names}
+    out = {}
+    for step in range(steps):
+        rows = []
+        for p in names:
+            tpl = templates[p]
+            hit = rng.random(len(tpl)) < drift
+            tpl[hit] = zipf(int(hit.sum()))
+            for i in range(samples):
+                n = int(min(max_len, max(16, medians[p] * rng.lognormal(0.0, 0.5))))
+                parts, have, pos = [], 0, int(rng.integers(0, 16))
+                while have < n:
+                    take = min(int(rng.geometric(event_rate)), n - have)
+                    parts.append(tpl[(pos + np.arange(take)) % len(tpl)])
+                    pos, have = pos + take, have + take
+                    r = rng.random()
+                    if r < 0.5:  # substitution
+                        parts.append(zipf(1))
+                        pos, have = pos + 1, have + 1
+                    elif r < 0.75:  # insertion
+                        k = int(rng.integers(1, 9))
+                        parts.append(zipf(k))
+                        have += k
+                    else:  # a jump: a stretch skipped or repeated
+                        pos = max(0, pos + int(rng.integers(-64, 65)))
+                toks = np.concatenate(parts)[:n]
+                if n < max_len:
+                    toks[-1] = eos
+                rows.append((p, i, toks, prompt_ids[p], "length" if n >= max_len else "stop"))
+        out[step] = pd.DataFrame(rows, columns=["prompt_id", "sample_idx", "token_ids", "prompt_token_ids",
+                                                "finish_reason"])
+    return out, prompt_ids
+
+
+def write_log(steps: Mapping[int, pd.DataFrame], out_dir: str | Path) -> Path:
+    """A folder of run logs (``step_<N>.parquet``) that ``load_input`` reads."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for step, df in steps.items():
+        df.to_parquet(out / f"step_{step:05d}.parquet", index=False)
+    return out
+
+
 # ---------------------------------------------------------------- CLI
 
 SHOW = ["method", "num_rollouts", "output_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
         "mean_acceptance_length", "acceptance_rate", "tokens_per_step", "draft_contribution",
-        "oracle_tokens_per_step"]
+        "cache_oracle_tokens_per_step", "cache_oracle"]
+LEGEND = ("future_oracle: drafts each rollout's recorded future (knows what will be sampled), the bound of "
+          "any drafter. cache_oracle_tokens_per_step: the best any copying drafter could do with the same "
+          "cache contents as that method (cache_oracle: whose rollouts, in flight or finished only) under "
+          "that method's draft budget; a bound for that method.")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("input", type=Path, help="a trace directory or a folder of per-step rollout logs")
     ap.add_argument("--method", action="append", required=True,
-                    help="a conf/method name, `oracle`, or `all` (every simulable method); repeatable; "
+                    help="a conf/method name, `future_oracle`, or `all` (every simulable method); repeatable; "
                          "NAME:knob=value,... overrides drafter knobs (e.g. tree_cache:match=best)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="draft budget cap (default: the trace's; for logs, the longest rollout)")
@@ -423,6 +597,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rollouts-out", type=Path, help="write the per-rollout rows (.parquet)")
     ap.add_argument("--per-step", action="store_true", help="also print the per-step table")
     args = ap.parse_args(argv)
+    t0 = time.perf_counter()
     try:
         steps, prompts, max_new = load_input(args.input)
         names = [n for m in args.method for n in (simulable_methods() if m == "all" else [m])]
@@ -433,7 +608,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"bench.simulate: {exc}")
     max_new = args.max_new_tokens or max_new or max(len(t) for df in steps.values() for t in df["token_ids"])
     n_rollouts = sum(len(df) for df in steps.values())
-    print(f"{args.input}: {len(steps)} steps, {n_rollouts} rollouts, max_new_tokens {max_new}")
+    n_tokens = sum(min(len(t), max_new) for df in steps.values() for t in df["token_ids"])
+    print(f"{args.input}: {len(steps)} steps, {n_rollouts} rollouts, {n_tokens} tokens, "
+          f"max_new_tokens {max_new} (loaded in {time.perf_counter() - t0:.1f}s)")
     t0 = time.perf_counter()
     rows = simulate(steps, prompts, cfgs, max_new, progress=True)
     wall = time.perf_counter() - t0
@@ -444,7 +621,9 @@ def main(argv: list[str] | None = None) -> None:
     per_step = summarize(rows, per_step=True)
     if args.per_step:
         print(per_step[["step", *SHOW]].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    print(f"simulated {len(cfgs)} methods in {wall:.1f}s")
+    print(textwrap.fill(LEGEND, 110))
+    parts = ", ".join(f"{k} {v:.1f}s" for k, v in rows.attrs.get("timings", {}).items())
+    print(f"simulated {len(cfgs)} methods in {wall:.1f}s ({parts})")
     if args.out:
         _write(per_step, args.out)
     if args.rollouts_out:

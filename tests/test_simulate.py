@@ -7,9 +7,10 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from bench.simulate import (SimulationError, load_input, main, method_config, oracle_passes, simulate,
-                            summarize)
+from bench.simulate import (FUTURE_ORACLE, SimulationError, load_input, main, method_config, oracle_passes,
+                            simulable_methods, simulate, summarize, synthetic_log)
 from methods.base import Draft, NullDrafter
+from methods.oracle import SuffixAutomaton
 
 EOS = 1
 
@@ -29,21 +30,21 @@ def metrics(rows, method):
     return summarize(rows).set_index("method").loc[method]
 
 
-def test_oracle_accepts_every_token_and_baseline_none():
-    rows = simulate({0: STEP0}, {}, {"oracle": method_config("oracle"), "baseline": method_config("baseline")},
-                    max_new_tokens=16)
-    oracle, base = metrics(rows, "oracle"), metrics(rows, "baseline")
+def test_future_oracle_accepts_every_token_and_baseline_none():
+    rows = simulate({0: STEP0}, {}, {FUTURE_ORACLE: method_config(FUTURE_ORACLE),
+                                     "baseline": method_config("baseline")}, max_new_tokens=16)
+    oracle, base = metrics(rows, FUTURE_ORACLE), metrics(rows, "baseline")
     # the oracle drafts each whole future (budget 15 >= every length - 1): one pass per rollout
-    assert (rows[rows.method == "oracle"]["num_forward_passes"] == 1).all()
+    assert (rows[rows.method == FUTURE_ORACLE]["num_forward_passes"] == 1).all()
     assert oracle["acceptance_rate"] == 1.0
     assert oracle["tokens_per_step"] == pytest.approx(STEP0["token_ids"].map(len).mean())
     assert base["tokens_per_step"] == 1.0 and base["num_drafts"] == 0
     assert rows.groupby("method")["output_len"].sum().tolist() == [18, 18]
 
 
-def test_oracle_is_capped_by_the_engine_budget():
+def test_future_oracle_is_capped_by_the_engine_budget():
     long = step_table([("a", 0, list(range(2, 12)))])  # 10 tokens, max_new_tokens 10: a length finish
-    rows = simulate({0: long}, {}, {"oracle": method_config("oracle")}, max_new_tokens=10)
+    rows = simulate({0: long}, {}, {FUTURE_ORACLE: method_config(FUTURE_ORACLE)}, max_new_tokens=10)
     r = rows.iloc[0]
     # budget max_new_tokens - 0 - 1 = 9 drafted and accepted, plus the bonus: one pass
     assert (r.num_draft_tokens, r.num_accepted_tokens, r.num_forward_passes) == (9, 9, 1)
@@ -91,7 +92,7 @@ def test_tree_cache_benefits_from_an_earlier_identical_rollout():
     assert summarize(rows, per_step=True).set_index("step").loc[1, "tokens_per_step"] == 1.0
 
 
-def test_oracle_tokens_per_step_on_a_literal_cache():
+def test_cache_oracle_tokens_per_step_on_a_literal_cache():
     steps = {0: step_table([("a", 0, [1, 2, 3, 4, EOS])]), 1: step_table([("a", 0, [1, 2, 3, 9, EOS])])}
     hist = oracle_passes(steps, 16, in_flight=False)
     # step 0: empty cache, 5 passes; step 1: [1, 2, 3] occurs in the cache -> 3 + bonus 9, then EOS
@@ -100,8 +101,94 @@ def test_oracle_tokens_per_step_on_a_literal_cache():
     rep = {0: step_table([("a", 0, [7, 7, 7, 7, EOS])])}
     assert oracle_passes(rep, 16, in_flight=True) == {(0, "a", 0): 3}
     assert oracle_passes(rep, 16, in_flight=False) == {(0, "a", 0): 5}
-    rows = simulate(steps, {}, {"baseline": method_config("baseline")}, 16)
-    assert summarize(rows).loc[0, "oracle_tokens_per_step"] == pytest.approx(10 / 7)
+    # capped by the method's budget: at most 2 draft tokens, step 1 is 1 2 + bonus 3 | 9 | EOS
+    assert oracle_passes(steps, 16, in_flight=False, budget=2)[(1, "a", 0)] == 3
+    table = summarize(simulate(steps, {}, {"prefix_reuse_exact": method_config("prefix_reuse_exact"),
+                                           "history_spec": method_config("history_spec"),
+                                           "baseline": method_config("baseline"),
+                                           FUTURE_ORACLE: method_config(FUTURE_ORACLE)}, 16)).set_index("method")
+    # each method's oracle under its own cache and budget: the engine's (prefix reuse), 16, none
+    assert table.loc["prefix_reuse_exact", "cache_oracle_tokens_per_step"] == pytest.approx(10 / 7)
+    assert table.loc["prefix_reuse_exact", "cache_oracle"] == "prompt, finished, budget engine"
+    assert table.loc["history_spec", "cache_oracle"] == "prompt, finished, budget engine"  # 16 >= 15
+    assert table.loc["baseline", "cache_oracle_tokens_per_step"] == 1.0
+    assert table.loc["baseline", "cache_oracle"] == "no cache (budget 0)"
+    # the future oracle knows the future: no cache bounds it, the column is blank
+    assert pd.isna(table.loc[FUTURE_ORACLE, "cache_oracle_tokens_per_step"])
+    assert table.loc[FUTURE_ORACLE, "cache_oracle"] == ""
+
+
+def test_suffix_automaton_finds_every_substring_of_interleaved_texts():
+    import random
+    rng = random.Random(1)
+
+    def longest(texts, seq, start, limit):
+        m = 0
+        while m < min(limit, len(seq) - start) and any(
+                seq[start:start + m + 1] == t[i:i + m + 1] for t in texts for i in range(len(t))):
+            m += 1
+        return m
+
+    for vocab in (2, 3, 50):
+        sam, texts = SuffixAutomaton(), {}
+        for _ in range(60):  # texts grown in random interleavings, as in-flight rollouts are
+            tid = rng.randrange(4)
+            toks = [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+            sam.extend(tid, toks)
+            texts.setdefault(tid, []).extend(toks)
+            for _ in range(4):
+                q = [rng.randrange(vocab) for _ in range(rng.randint(0, 9))]
+                start, limit = rng.randint(0, len(q)), rng.randint(0, 10)
+                assert sam.longest_prefix(q, start, limit) == longest(list(texts.values()), q, start, limit)
+        assert sam.num_states <= 2 * sam.num_tokens + 1
+
+
+def test_cache_oracle_memory_is_linear_in_the_rollout():
+    """One 2,000-token rollout: at most 2n states and 3n transitions, where a suffix trie of
+    depth max_new_tokens (the old oracle) has n(n+1)/2, about two million nodes."""
+    import random
+    rng = random.Random(0)
+    n = 2000
+    for vocab in (151_936, 3):  # all distinct runs, and a highly repetitive text
+        sam = SuffixAutomaton()
+        sam.extend(0, [rng.randrange(vocab) for _ in range(n)])
+        assert sam.num_states <= 2 * n and sam.num_transitions <= 3 * n
+        assert sam.approx_bytes() < 200 * n
+
+
+def _bounded(rows):
+    """Per rollout: the cache oracle needs no more forward passes than the method it is beside."""
+    rows = rows[rows.method != FUTURE_ORACLE]
+    bad = rows[rows.cache_oracle_num_forward_passes > rows.num_forward_passes]
+    assert bad.empty, bad[["method", "step", "prompt_id", "sample_idx", "num_forward_passes",
+                           "cache_oracle_num_forward_passes"]].head()
+    table = summarize(rows).set_index("method")
+    assert (table["cache_oracle_tokens_per_step"] >= table["tokens_per_step"]).all()
+    return table
+
+
+def test_cache_oracle_bounds_every_method_on_a_synthetic_log():
+    steps, prompts = synthetic_log(steps=3, prompts=3, samples=4, max_len=192, median_len=96,
+                                   event_rate=0.05, vocab=500, seed=3)
+    names = simulable_methods()
+    rows = simulate(steps, prompts, {n: method_config(n) for n in names}, 192)
+    table = _bounded(rows)
+    assert set(table.index) == set(names) - {FUTURE_ORACLE}
+    # drafting methods gain here, and the future oracle is above every cache oracle
+    assert table.loc["tree_cache", "tokens_per_step"] > 1.5
+    future = summarize(rows).set_index("method").loc[FUTURE_ORACLE, "tokens_per_step"]
+    assert future >= table["cache_oracle_tokens_per_step"].max()
+    # tighter budgets give lower bounds: history_spec (16) below prefix_reuse_exact (engine), same cache
+    assert table.loc["history_spec", "cache_oracle"] == "prompt, finished, budget 16"
+    assert (table.loc["history_spec", "cache_oracle_tokens_per_step"]
+            < table.loc["prefix_reuse_exact", "cache_oracle_tokens_per_step"])
+
+
+@pytest.mark.slow
+def test_cache_oracle_bounds_every_method_on_the_tiny_trace(tiny_trace):
+    steps, prompts, max_new = load_input(tiny_trace)
+    names = simulable_methods()
+    _bounded(simulate(steps, prompts, {n: method_config(n) for n in names}, max_new))
 
 
 def test_log_folder_jsonl_and_parquet(tmp_path, capsys):
@@ -119,7 +206,8 @@ def test_log_folder_jsonl_and_parquet(tmp_path, capsys):
     main([str(logs), "--method", "tree_cache", "--method", "baseline", "--out", str(out)])
     table = pd.read_csv(out)
     assert set(table["method"]) == {"tree_cache", "baseline"} and sorted(set(table["step"])) == [3, 4]
-    assert "oracle_tokens_per_step" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "cache_oracle_tokens_per_step" in out and "future_oracle: drafts each rollout's recorded future" in out
 
 
 def test_folder_without_trace_or_logs_is_one_clear_error(tmp_path):
