@@ -9,7 +9,8 @@ from hydra import compose, initialize_config_dir
 
 from bench.cli import CONF_DIR, run
 from bench.errors import UserError
-from bench.latency import Hardware, LatencyTable, ModelShape, predict, roofline_seconds
+from bench.latency import LatencyTable, predict
+from bench.roofline import Hardware, ModelShape, roofline_seconds
 from bench.results import RunWriter, load_iterations, load_run
 from bench.spec_policy import AcceptanceTracker, SpecPolicy
 
