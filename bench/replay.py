@@ -3,7 +3,9 @@
 For each step it loads that step's checkpoint, runs every method's rollouts of the step's prompts
 (n samples each) through the engine with the method's drafter and verify rule, lets the drafter
 keep its caches, and appends one crash-safe results unit per (step, method) together with a
-snapshot of the method's drafter. A rerun of a killed run skips the finished units and restores
+snapshot of the method's drafter. A sparse trace (checkpoints at some steps, rollouts at all)
+replays the steps with a checkpoint and first feeds each drafter the recorded rollouts of the
+rollouts-only steps in between (``feed_recorded``). A rerun of a killed run skips the finished units and restores
 each drafter from its last snapshot, so nothing is lost or counted twice and every later draft
 and counter equals the uninterrupted run's.   python -m bench.cli   (see conf/bench.yaml)
 """
@@ -17,7 +19,7 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
-from methods.base import Drafter, NullDrafter, RolloutKey
+from methods.base import Drafter, NullDrafter, Rollout, RolloutKey
 
 from .engines.base import Engine, Request
 from .results import RunWriter, rollout_row, step_row
@@ -98,6 +100,29 @@ def resumed_drafter(method: MethodSpec, steps: list[int], done: set[tuple[int, s
     return pickle.loads(state)
 
 
+def feed_recorded(drafter: Drafter, trace: Trace, step: int) -> None:
+    """Show ``drafter`` the recorded rollouts of a rollouts-only step (sparse checkpoints) as
+    finished rollouts, with the calls an engine makes, in a fixed recorded order: ``begin_step``,
+    ``start`` for every rollout in file order, then ``observe`` (the whole response at once) and
+    ``finish`` in finish order (shortest first, ties in file order: a one-token-per-pass engine's)."""
+    df = trace.rollouts(step)
+    rows = []
+    for i, (pid, idx, toks) in enumerate(zip(df["prompt_id"], df["sample_idx"], df["token_ids"])):
+        lps = df["logprobs"].iat[i]
+        toks = [int(t) for t in toks]
+        reason = str(df["finish_reason"].iat[i]) if "finish_reason" in df.columns else (
+            "length" if len(toks) >= trace.sampling.max_new_tokens else "stop")
+        rows.append((i, RolloutKey(str(pid), int(idx)), toks,
+                     [float(x) for x in lps] if lps is not None else [0.0] * len(toks), reason))
+    drafter.begin_step(step)
+    for _, key, _, _, _ in rows:
+        drafter.start(key, trace.prompts[key.prompt_id])
+    for _, key, toks, lps, reason in sorted(rows, key=lambda r: (len(r[2]), r[0])):
+        drafter.observe(key, toks)
+        drafter.finish(key, Rollout(key=key, step=step, prompt_token_ids=list(trace.prompts[key.prompt_id]),
+                                    token_ids=toks, logprobs=lps, finish_reason=reason))
+
+
 def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: SamplingConfig,
            writer: RunWriter, steps: list[int] | None = None, n: int | None = None,
            labels: dict[str, Any] | None = None, progress: bool = True,
@@ -128,9 +153,12 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
         recorded = _recorded_tokens(trace, step)
         next_step = steps[i + 1] if i + 1 < len(steps) else None
         shift = i % len(todo)  # rotate the order so no method is always first after a checkpoint swap
+        fed = trace.fed_steps(steps[i - 1] if i else None, step)  # sparse: rollouts-only steps before
         for m in todo[shift:] + todo[:shift]:
             bar.set_postfix_str(f"step {step}: {m.name}")
             drafter = drafters[m.name]
+            for s in fed:  # part of this unit: its snapshot holds them, so a resume is exact
+                feed_recorded(drafter, trace, s)
             drafter.begin_step(step)
             if hasattr(drafter, "reset_stats"):
                 drafter.reset_stats()  # counters per step; cache sizes are state and stay

@@ -29,7 +29,7 @@ MANIFEST = "trace.yaml"
 PROMPTS = "prompts.jsonl"
 ROLLOUT_COLUMNS = ("prompt_id", "sample_idx", "token_ids", "logprobs", "reward")
 # task name -> module exposing ``score(metadata: dict, text: str) -> float``
-TASKS = {"countdown": "bench.record.task"}
+TASKS = {"countdown": "bench.record.task", "countdown_search": "bench.record.search_task"}
 FORMAT_VERSION = 1
 
 
@@ -75,9 +75,14 @@ class TraceSampling:
 @dataclass
 class TraceStep:
     step: int
-    checkpoint: str  # relative to the trace dir (absolute paths are kept as they are)
+    checkpoint: str | None  # relative to the trace dir (absolute paths kept); None: rollouts only
     prompt_ids: list[str]
     rollouts: str | None = None  # relative path of the step's rollouts parquet, if recorded
+
+
+def _trace_step(entry: dict) -> TraceStep:
+    """A manifest step entry; a step without ``checkpoint`` is a rollouts-only (sparse) step."""
+    return TraceStep(**{"checkpoint": None, **entry})
 
 
 def rollouts_relpath(step: int) -> str:
@@ -125,7 +130,7 @@ class Trace:
         self.tokenizer_dir = self._resolve(manifest["tokenizer"])
         self.vocab_size: int = int(manifest["vocab_size"])
         self.sampling = TraceSampling(**manifest["sampling"])
-        self.steps = [TraceStep(**s) for s in manifest["steps"]]
+        self.steps = [_trace_step(s) for s in manifest["steps"]]
         self._by_step = {s.step: s for s in self.steps}
         self.prompts = prompts
         self.prompt_meta = prompt_meta
@@ -150,12 +155,19 @@ class Trace:
                              f"sampling and steps (see bench/trace.py)")
         try:
             TraceSampling(**manifest["sampling"])
-            steps = [TraceStep(**s) for s in manifest["steps"]]
+            steps = [_trace_step(s) for s in manifest["steps"]]
         except TypeError as exc:
             raise TraceError(f"{mpath}: bad sampling or steps entry ({exc}); sampling keys are "
                              f"{list(asdict(TraceSampling()))}, step keys step/checkpoint/prompt_ids") from exc
         if len({s.step for s in steps}) != len(steps):
             raise TraceError(f"{mpath} lists a step number twice; give every step a unique number")
+        bare = [s.step for s in steps if s.checkpoint is None and s.rollouts is None]
+        if bare:
+            raise TraceError(f"{mpath}: step(s) {bare[:3]} have neither a checkpoint nor rollouts; give "
+                             f"each step a `checkpoint` (replayed) or `rollouts` (fed to the drafters)")
+        if steps and all(s.checkpoint is None for s in steps):
+            raise TraceError(f"{mpath}: no step has a checkpoint, so there is nothing to replay; add "
+                             f"`checkpoint` to a step (simulation needs none: python -m bench.simulate)")
         prompts, meta = cls._read_prompts(root / PROMPTS)
         trace = cls(root, manifest, prompts, meta)
         if validate:
@@ -197,6 +209,8 @@ class Trace:
         tok_digest = _file_digest(self.tokenizer_dir / "tokenizer.json")
         context = 1 << 30
         for s in self.steps:
+            if s.checkpoint is None:
+                continue  # a rollouts-only step (sparse checkpoints)
             ckpt = self.checkpoint(s.step)
             if not (ckpt / "config.json").exists():
                 what = "has no config.json" if ckpt.is_dir() else "does not exist"
@@ -239,7 +253,23 @@ class Trace:
     # ------------------------------------------------------------------ access
     @property
     def step_numbers(self) -> list[int]:
+        """The replayable steps: those with a checkpoint (all of them in a dense trace)."""
+        return [s.step for s in self.steps if s.checkpoint is not None]
+
+    @property
+    def all_step_numbers(self) -> list[int]:
+        """Every step, rollouts-only ones included."""
         return [s.step for s in self.steps]
+
+    @property
+    def is_sparse(self) -> bool:
+        return any(s.checkpoint is None for s in self.steps)
+
+    def fed_steps(self, after: int | None, before: int) -> list[int]:
+        """The rollouts-only steps strictly between ``after`` (None: the start) and ``before``, in
+        order: what a sparse replay feeds to the drafters before replaying step ``before``."""
+        return [s.step for s in self.steps if s.checkpoint is None and s.step < before
+                and (after is None or s.step > after)]
 
     def step(self, step: int) -> TraceStep:
         if step not in self._by_step:
@@ -247,7 +277,11 @@ class Trace:
         return self._by_step[step]
 
     def checkpoint(self, step: int) -> Path:
-        return self._resolve(self.step(step).checkpoint)
+        rel = self.step(step).checkpoint
+        if rel is None:
+            raise KeyError(f"step {step} of trace {self.name!r} has rollouts only (no checkpoint); "
+                           f"replayable steps are {self.step_numbers}")
+        return self._resolve(rel)
 
     def rollouts(self, step: int):
         """The step's recorded rollouts as a pandas DataFrame, or None when none were recorded."""
@@ -324,8 +358,12 @@ class TraceWriter:
         os.replace(tmp, self.root / rel)
         return rel
 
-    def add_step(self, step: int, checkpoint: str, prompt_ids: list[str], rollouts: str | None = None) -> None:
-        self.steps.append(TraceStep(step, str(checkpoint), [str(p) for p in prompt_ids], rollouts))
+    def add_step(self, step: int, checkpoint: str | None, prompt_ids: list[str], rollouts: str | None = None) -> None:
+        """``checkpoint`` None: a rollouts-only step (sparse checkpoints; ``rollouts`` required)."""
+        if checkpoint is None and rollouts is None:
+            raise ValueError(f"step {step} needs a checkpoint or rollouts")
+        self.steps.append(TraceStep(step, None if checkpoint is None else str(checkpoint),
+                                    [str(p) for p in prompt_ids], rollouts))
         self.write_manifest()
 
     def write_manifest(self) -> None:
@@ -361,7 +399,8 @@ def main() -> None:
     print(trace)
     print(f"sampling: {asdict(trace.sampling)}")
     for s in trace.steps:
-        print(f"  step {s.step}: {len(s.prompt_ids)} prompts, checkpoint {s.checkpoint}"
+        print(f"  step {s.step}: {len(s.prompt_ids)} prompts, "
+              + (f"checkpoint {s.checkpoint}" if s.checkpoint else "no checkpoint (rollouts fed to drafters)")
               + (f", rollouts {s.rollouts}" if s.rollouts else ""))
 
 

@@ -239,3 +239,117 @@ def test_import_errors(tmp_path, ckpt):
     with pytest.raises(TraceError, match="more than the context"):
         import_trace(run, ok, tmp_path / "t3", sampling={"max_new_tokens": 30})
     assert not (tmp_path / "t3").exists() and not list(tmp_path.glob(".t3.import-*"))
+
+
+# ---------------------------------------------------------------- sparse checkpoints
+
+def sparse_copy(src: Path, dst: Path, keep: set[int]) -> Path:
+    """The same trace with the checkpoints of every step not in ``keep`` dropped (rollouts kept)."""
+    import yaml
+    dst.mkdir()
+    for name in ("prompts.jsonl", "tokenizer", "rollouts", "checkpoints"):
+        (dst / name).symlink_to((src / name).resolve())
+    manifest = yaml.safe_load((src / "trace.yaml").read_text())
+    for s in manifest["steps"]:
+        if s["step"] not in keep:
+            s.pop("checkpoint")
+    (dst / "trace.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    return dst
+
+
+def test_sparse_trace_steps_and_validation(tmp_path, ckpt):
+    import yaml
+    root = make_trace(tmp_path / "t", ckpt, steps=3)
+    manifest = yaml.safe_load((root / "trace.yaml").read_text())
+    manifest["steps"][1].pop("checkpoint")
+    (root / "trace.yaml").write_text(yaml.safe_dump(manifest))
+    trace = Trace.load(root)
+    assert trace.is_sparse and trace.step_numbers == [0, 2] and trace.all_step_numbers == [0, 1, 2]
+    assert trace.fed_steps(None, 2) == [1] and trace.fed_steps(0, 2) == [1] and trace.fed_steps(None, 0) == []
+    with pytest.raises(KeyError, match="rollouts only"):
+        trace.checkpoint(1)
+    manifest["steps"][1].pop("rollouts")
+    (root / "trace.yaml").write_text(yaml.safe_dump(manifest))
+    with pytest.raises(TraceError, match="neither a checkpoint nor rollouts"):
+        Trace.load(root)
+    for s in manifest["steps"]:
+        s.pop("checkpoint", None)
+        s["rollouts"] = "rollouts/step_00000.parquet"
+    (root / "trace.yaml").write_text(yaml.safe_dump(manifest))
+    with pytest.raises(TraceError, match="no step has a checkpoint"):
+        Trace.load(root)
+
+
+SPARSE_METHODS = ["baseline", "prefix_reuse_exact", "tree_cache", "tree_cache_tree", "history_spec", "hybrid",
+                  "das", "suffix_global", "seer"]
+
+
+def _specs(methods):
+    from hydra import compose, initialize_config_dir
+
+    from bench.cli import CONF_DIR, method_specs
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        cfg = compose("bench", overrides=["trace=countdown_tiny", "progress=false", "plots=false",
+                                          "method=[" + ",".join(methods) + "]"])
+    return method_specs(cfg)
+
+
+def _replay(trace, steps, run_dir, methods, **kw):
+    from bench.engines.torch_ref import TorchRefEngine
+    from bench.replay import replay
+    from bench.results import RunWriter, load_run
+    config = {"trace": {"name": trace.name}, "engine": {"name": "torch_ref"}, "methods": methods}
+    replay(trace, TorchRefEngine(dtype="float32"), _specs(methods), trace.sampling.to_config(),
+           RunWriter(run_dir, config), steps, progress=False, labels={"trace": trace.name, "engine": "torch_ref"},
+           **kw)
+    return load_run(run_dir)[2]
+
+
+COUNTERS = ["output_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_forward_passes"]
+
+
+def _by_slot(rows, step, method):
+    rows = rows[(rows["step"] == step) & (rows["method"] == method)].sort_values(["prompt_id", "sample_idx"])
+    return [tuple(list(v) if hasattr(v, "__len__") else v for v in r) for r in rows[COUNTERS].itertuples(index=False)]
+
+
+def test_sparse_replay_warms_drafters_as_a_dense_replay_does(tiny_trace, tmp_path):
+    """Checkpoints at steps 0 and 4 only, rollouts at 0-4: each drafter is fed the recorded rollouts of
+    steps 1-3, and at step 4 every method drafts exactly what it drafts after a dense replay of 0-4
+    (whose exact methods emitted those recorded rollouts at steps 1-3, as the test checks)."""
+    dense = Trace.load(tiny_trace)
+    sparse = Trace.load(sparse_copy(tiny_trace, tmp_path / "sparse", keep={0, 4}))
+    assert sparse.step_numbers[:2] == [0, 4] and sparse.fed_steps(0, 4) == [1, 2, 3]
+    d = _replay(dense, [0, 1, 2, 3, 4], tmp_path / "dense_run", SPARSE_METHODS)
+    s = _replay(sparse, [0, 4], tmp_path / "sparse_run", SPARSE_METHODS)
+    mid = d[d["step"].isin([1, 2, 3])]
+    assert mid["matches_recorded"].all()  # the dense drafters saw exactly the recorded rollouts
+    assert sorted(set(s["step"])) == [0, 4]
+    for m in SPARSE_METHODS:
+        assert _by_slot(s, 4, m) == _by_slot(d, 4, m), f"{m}: sparse replay drafts differ from the dense one"
+    assert s[(s["step"] == 4) & (s["method"] == "tree_cache")]["num_accepted_tokens"].sum() > \
+        s[(s["step"] == 0) & (s["method"] == "tree_cache")]["num_accepted_tokens"].sum()  # a real history
+
+
+def test_sparse_replay_resumes_exactly_at_every_unit_boundary(tiny_trace, tmp_path):
+    """The feeding of the rollouts-only steps belongs to the unit after it: killed after every unit
+    and resumed, the run equals the uninterrupted one in every counted column."""
+    from bench.replay import ReplayInterrupted
+    from bench.results import load_run
+    methods = ["baseline", "tree_cache", "hybrid", "suffix_global"]
+    trace = Trace.load(sparse_copy(tiny_trace, tmp_path / "sparse", keep={1, 3, 5}))
+    whole = _replay(trace, None, tmp_path / "whole", methods)
+    restarts = 0
+    while True:
+        try:
+            _replay(trace, None, tmp_path / "killed", methods, stop_after_units=1)
+            break
+        except ReplayInterrupted:
+            restarts += 1
+    assert restarts == 3 * len(methods)
+    killed = load_run(tmp_path / "killed")[2]
+    key = ["step", "method", "prompt_id", "sample_idx"]
+    a, b = whole.sort_values(key).reset_index(drop=True), killed.sort_values(key).reset_index(drop=True)
+    for col in COUNTERS + ["prompt_id", "sample_idx", "step", "method"]:
+        assert [list(v) if hasattr(v, "__len__") and not isinstance(v, str) else v for v in a[col]] == \
+            [list(v) if hasattr(v, "__len__") and not isinstance(v, str) else v for v in b[col]], col
