@@ -12,7 +12,25 @@ other keys are kept as task metadata. Without ``step``, the prompts of a step ar
 rollouts file if one is given, else the prompts are cut into ``--steps-per-prompt-visit`` chunks
 visited in turn (1: every step uses every prompt). Rollout files (``*.jsonl``/``*.parquet``, the
 last number in the name is the step) need prompt_id and token_ids; sample_idx, logprobs and
-reward are optional.
+reward are optional. A rollouts file of a step without a checkpoint makes a rollouts-only step
+(a sparse trace: the replay feeds it to the drafters).
+
+Rollout dumps of real runs (``--dump DIR --dump-format verl|trl``, decoded text re-tokenized with
+the run's tokenizer; the prompts then come from the dump, ``--prompts`` is not needed):
+
+- ``verl``: ``trainer.rollout_data_dir``, one ``{step}.jsonl`` per step, rows ``input``, ``output``
+  (decoded with special tokens skipped), ``score``, ``step`` (``gts`` and reward extras kept out);
+  the n samples of a prompt are consecutive.
+- ``trl``: GRPOTrainer's ``log_completions``: ``completions/completions_{step:05d}.parquet`` under
+  the output dir, columns ``step``, ``prompt``, ``completion``, one column per reward function
+  (``reward`` if present, else the only one), ``advantage``; logged at logging steps only.
+
+OpenRLHF writes no rollout dump (its trainer logs scalars and, with wandb, sample tables only), so
+it has no format here. Without checkpoints, ``python -m bench.trace_import --dump DIR
+--dump-format verl --tokenizer TOK --log-out LOG_DIR`` writes a simulation log
+(``step_<N>.parquet``) for ``python -m bench.simulate LOG_DIR``. Re-tokenized ids may differ from
+the generated ones (special tokens were stripped, and text does not always round-trip): the
+rollouts carry ``retokenized: true`` and the trace or log says so.
 """
 from __future__ import annotations
 
@@ -110,9 +128,9 @@ def read_rollouts(directory: Path, tokenizer, steps: set[int]) -> dict[int, "obj
     out = {}
     for f in files:
         nums = re.findall(r"\d+", f.stem)
-        if not nums or int(nums[-1]) not in steps:
-            raise TraceError(f"rollouts file {f}: the last number in its name must be a checkpoint step "
-                             f"(one of {sorted(steps)})")
+        if not nums:
+            raise TraceError(f"rollouts file {f}: the last number in its name must be its step (a checkpoint "
+                             f"step, one of {sorted(steps)}, or a rollouts-only step)")
         df = pd.DataFrame(_read_table(f))
         if "prompt_id" not in df.columns or "token_ids" not in df.columns:
             raise TraceError(f"{f} needs columns prompt_id and token_ids (has {list(df.columns)})")
@@ -128,10 +146,156 @@ def read_rollouts(directory: Path, tokenizer, steps: set[int]) -> dict[int, "obj
     return out
 
 
-def import_trace(checkpoints: Path, prompts: Path, out: Path, rollouts: Path | None = None,
+
+# ---------------------------------------------------------------- rollout dumps of real runs
+
+DUMP_FORMATS = ("verl", "trl")
+VERL_FIELDS = ("input", "output", "step")
+TRL_FIELDS = ("step", "prompt", "completion")
+TRL_NOT_REWARDS = {"step", "prompt", "completion", "advantage", "mode", "image", "images"}
+RETOKENIZED_NOTE = ("token ids re-tokenized from decoded text (special tokens were stripped), so they may "
+                    "differ from the ids the run generated")
+
+
+def load_tokenizer(path: Path | str | None, what: str = "--tokenizer"):
+    """A Hugging Face tokenizer from a local dir; a missing or unreadable one is a TraceError."""
+    if path is None:
+        raise TraceError(f"re-tokenizing a rollout dump needs the run's tokenizer: pass {what} DIR "
+                         f"(a saved Hugging Face tokenizer)")
+    p = Path(path)
+    if not p.is_dir() or not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise TraceError(f"{what} {p}: unknown tokenizer (no tokenizer.json or tokenizer_config.json there); "
+                         f"pass the run's saved tokenizer dir")
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(p))
+    except Exception as exc:  # a corrupt file: say which dir
+        raise TraceError(f"{what} {p}: the tokenizer cannot be loaded ({exc}); pass the run's saved tokenizer dir") from exc
+
+
+def _dump_files(directory: Path, fmt: str) -> dict[int, Path]:
+    d = Path(directory)
+    if fmt not in DUMP_FORMATS:
+        raise TraceError(f"--dump-format {fmt!r}: known formats are {list(DUMP_FORMATS)} (OpenRLHF writes no "
+                         f"rollout dump)")
+    if not d.is_dir():
+        raise TraceError(f"--dump {d} is not a directory")
+    if fmt == "verl":
+        pattern, glob = re.compile(r"^(\d+)\.jsonl$"), "*.jsonl"
+    else:
+        pattern, glob = re.compile(r"^completions_(\d+)\.parquet$"), "completions_*.parquet"
+        for sub in (d / "completions" / "train", d / "completions"):  # the trainer's output dir given
+            if sub.is_dir() and any(sub.glob(glob)):
+                d = sub
+                break
+    files = {}
+    for f in sorted(d.glob(glob)):
+        m = pattern.match(f.name)
+        if m:
+            files[int(m.group(1))] = f
+    if not files:
+        want = "{step}.jsonl files (trainer.rollout_data_dir)" if fmt == "verl" else \
+            "completions/completions_{step:05d}.parquet files (log_completions=True)"
+        raise TraceError(f"--dump {directory} holds no {fmt} rollout dump: expected {want}")
+    return files
+
+
+def _text(value, path: Path, where: str, tokenizer, prompt: bool) -> list[int] | str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) or hasattr(value, "tolist"):  # conversational: a list of messages
+        msgs = list(value.tolist() if hasattr(value, "tolist") else value)
+        if all(isinstance(m, dict) and "content" in m for m in msgs):
+            if not prompt:
+                return "".join(str(m["content"]) for m in msgs)
+            if getattr(tokenizer, "chat_template", None):
+                return tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+            raise TraceError(f"{path}{where}: the prompt is a list of chat messages but the tokenizer has no chat "
+                             f"template; pass the run's tokenizer")
+    raise TraceError(f"{path}{where}: expected text, got {type(value).__name__}")
+
+
+def read_dump(directory: Path, fmt: str, tokenizer, add_special_tokens: bool = True) -> dict[int, "object"]:
+    """step -> DataFrame (prompt_id, sample_idx, token_ids, prompt_token_ids, prompt_text, reward,
+    retokenized) of a verl or TRL rollout dump; every problem is one TraceError naming the file."""
+    import hashlib
+
+    import pandas as pd
+    out = {}
+    for step, f in _dump_files(Path(directory), fmt).items():
+        if fmt == "verl":
+            rows = list(iter_jsonl(f))
+            need, where = VERL_FIELDS, lambda i: f":{rows[i][0]}"
+            records = [r for _, r in rows]
+        else:
+            try:
+                frame = pd.read_parquet(f)
+            except Exception as exc:
+                raise TraceError(f"{f}: not a readable parquet file ({exc})") from exc
+            need, where = TRL_FIELDS, lambda i: f" row {i}"
+            records = frame.to_dict("records")
+        if not records:
+            raise TraceError(f"{f} holds no rollouts")
+        for i, r in enumerate(records):
+            missing = [k for k in need if k not in r or r[k] is None]
+            if missing:
+                raise TraceError(f"{f}{where(i)}: missing field(s) {missing}; a {fmt} rollout dump row needs "
+                                 f"{list(need)}")
+        steps = sorted({int(r["step"]) for r in records})
+        if steps != [step]:
+            raise TraceError(f"{f}: rows of step(s) {steps[:4]} in the file of step {step}; a dump file holds one "
+                             f"step (split it, or fix the `step` field)")
+        if fmt == "verl":
+            rewards = [float(r["score"]) if r.get("score") is not None else math.nan for r in records]
+        else:
+            cols = [c for c in records[0] if c not in TRL_NOT_REWARDS]
+            col = "reward" if "reward" in cols else (cols[0] if len(cols) == 1 else None)
+            rewards = [float(r[col]) if col is not None and r[col] is not None else math.nan for r in records]
+        seen: dict[str, int] = {}
+        data = []
+        for i, r in enumerate(records):
+            prompt = _text(r["input"] if fmt == "verl" else r["prompt"], f, where(i), tokenizer, True)
+            output = _text(r["output"] if fmt == "verl" else r["completion"], f, where(i), tokenizer, False)
+            key = prompt if isinstance(prompt, str) else json.dumps(prompt)
+            pid = "h" + hashlib.sha1(key.encode()).hexdigest()[:12]
+            idx = seen.get(pid, 0)  # the n samples of a prompt, by order
+            seen[pid] = idx + 1
+            pids = prompt if not isinstance(prompt, str) else \
+                tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+            data.append({"prompt_id": pid, "sample_idx": idx, "prompt_text": key,
+                         "prompt_token_ids": [int(t) for t in pids],
+                         "token_ids": tokenizer(output, add_special_tokens=False)["input_ids"],
+                         "logprobs": None, "reward": rewards[i], "retokenized": True})
+        out[step] = pd.DataFrame(data)
+    return out
+
+
+def write_dump_log(steps: dict[int, "object"], out: Path) -> Path:
+    """A simulation log folder (``step_<N>.parquet``) for ``python -m bench.simulate``."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise TraceError(f"--log-out {out} exists and is not empty; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    for step, df in steps.items():
+        df.drop(columns=["prompt_text"]).to_parquet(out / f"step_{step:05d}.parquet", index=False)
+    (out / "README.txt").write_text(RETOKENIZED_NOTE + "\n")
+    return out
+
+
+def _dump_prompts(steps: dict[int, "object"]) -> list[dict]:
+    prompts: dict[str, dict] = {}
+    for df in steps.values():
+        for pid, ids, text in zip(df["prompt_id"], df["prompt_token_ids"], df["prompt_text"]):
+            prompts.setdefault(pid, {"prompt_id": pid, "token_ids": list(ids), "steps": None,
+                                     "meta": {"text": text}})
+    return list(prompts.values())
+
+
+def import_trace(checkpoints: Path, prompts: Path | None, out: Path, rollouts: Path | None = None,
                  steps_per_prompt_visit: int = 1, name: str | None = None, task: str | None = None,
                  sampling: dict | None = None, tokenizer_dir: Path | None = None,
-                 add_special_tokens: bool = True) -> Trace:
+                 add_special_tokens: bool = True, dump: Path | None = None,
+                 dump_format: str | None = None) -> Trace:
     """Build and validate a trace in ``out`` (written to a temp dir, renamed when valid)."""
     from transformers import AutoTokenizer
 
@@ -149,12 +313,23 @@ def import_trace(checkpoints: Path, prompts: Path, out: Path, rollouts: Path | N
             raise TraceError(f"no checkpoint under {checkpoints} holds tokenizer files; pass --tokenizer DIR")
         tok_dir, tok_ref = dict(ckpts)[tok_step], checkpoint_relpath(tok_step)
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
-    records = read_prompts(Path(prompts), tokenizer, add_special_tokens)
+    if dump is not None:
+        if rollouts is not None:
+            raise TraceError("pass --rollouts or --dump, not both")
+        step_rollouts = read_dump(Path(dump), dump_format or "verl", tokenizer, add_special_tokens)
+        records = _dump_prompts(step_rollouts) if prompts is None else \
+            read_prompts(Path(prompts), tokenizer, add_special_tokens)
+    elif prompts is None:
+        raise TraceError("pass --prompts (or --dump with a rollout dump, whose prompts are used)")
+    else:
+        records = read_prompts(Path(prompts), tokenizer, add_special_tokens)
     with_step = [r for r in records if r["steps"] is not None]
     if with_step and len(with_step) != len(records):
         raise TraceError(f"{prompts}: {len(with_step)} of {len(records)} prompts carry `step`; give it to "
                          f"all prompts or to none")
-    step_rollouts = read_rollouts(Path(rollouts), tokenizer, set(steps)) if rollouts else {}
+    if dump is None:
+        step_rollouts = read_rollouts(Path(rollouts), tokenizer, set(steps)) if rollouts else {}
+    steps = sorted(set(steps) | set(step_rollouts))  # a rollouts file without a checkpoint: rollouts only
     if not 1 <= steps_per_prompt_visit <= len(records):
         raise TraceError(f"--steps-per-prompt-visit must be in [1, {len(records)}] (number of prompts)")
     per_step: dict[int, list[str]] = {s: [] for s in steps}
@@ -189,19 +364,24 @@ def import_trace(checkpoints: Path, prompts: Path, out: Path, rollouts: Path | N
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.import-", dir=out.parent))
     try:
+        extra = {"imported_from": str(Path(checkpoints).resolve())}
+        if dump is not None:
+            extra.update(rollouts_retokenized=True, rollouts_note=f"{dump_format or 'verl'} dump: {RETOKENIZED_NOTE}")
         writer = TraceWriter(tmp, name or out.name, TraceSampling(**sampling), vocab_size=int(vocab),
-                             task=task, tokenizer=tok_ref,
-                             extra={"imported_from": str(Path(checkpoints).resolve())})
+                             task=task, tokenizer=tok_ref, extra=extra)
         writer.write_prompts([{"prompt_id": r["prompt_id"], "token_ids": r["token_ids"], **r["meta"]}
                               for r in records])
         known = {r["prompt_id"] for r in records}
-        for s, d in ckpts:
-            rel = checkpoint_relpath(s)
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            os.symlink(d.resolve(), tmp / rel, target_is_directory=True)
+        ckpt_dirs = dict(ckpts)
+        for s in steps:
+            rel = None
+            if s in ckpt_dirs:
+                rel = checkpoint_relpath(s)
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.symlink(ckpt_dirs[s].resolve(), tmp / rel, target_is_directory=True)
             roll = None
             if s in step_rollouts:
-                df = step_rollouts[s]
+                df = step_rollouts[s].drop(columns=["prompt_text"], errors="ignore")
                 unknown = sorted(set(df["prompt_id"]) - known)[:3]
                 if unknown:
                     raise TraceError(f"rollouts of step {s} name prompt ids {unknown} not in {prompts}")
@@ -217,10 +397,14 @@ def import_trace(checkpoints: Path, prompts: Path, out: Path, rollouts: Path | N
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoints", type=Path, required=True, help="run dir holding numbered checkpoints")
-    ap.add_argument("--prompts", type=Path, required=True, help="prompts .jsonl (text or token_ids)")
-    ap.add_argument("--out", type=Path, required=True, help="trace dir to create")
+    ap.add_argument("--checkpoints", type=Path, help="run dir holding numbered checkpoints (a trace)")
+    ap.add_argument("--prompts", type=Path, help="prompts .jsonl (text or token_ids); not needed with --dump")
+    ap.add_argument("--out", type=Path, help="trace dir to create")
     ap.add_argument("--rollouts", type=Path, help="dir of per-step rollout files (.jsonl/.parquet)")
+    ap.add_argument("--dump", type=Path, help="a real run's rollout dump dir (see --dump-format)")
+    ap.add_argument("--dump-format", choices=DUMP_FORMATS, default="verl",
+                    help="verl: trainer.rollout_data_dir {step}.jsonl; trl: GRPOTrainer log_completions parquet")
+    ap.add_argument("--log-out", type=Path, help="with --dump and no --checkpoints: write a simulation log here")
     ap.add_argument("--steps-per-prompt-visit", type=int, default=1,
                     help="steps between two visits of a prompt when prompts carry no `step`")
     ap.add_argument("--tokenizer", type=Path, help="tokenizer dir (default: the first checkpoint's)")
@@ -234,16 +418,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, help="samples per prompt (default: from rollouts, else 1)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.checkpoints is None:
+        if a.dump is None or a.log_out is None:
+            raise TraceError("pass --checkpoints RUN_DIR --out TRACE_DIR (a trace), or --dump DIR --tokenizer TOK "
+                             "--log-out LOG_DIR (a simulation log of a rollout dump)")
+        steps = read_dump(a.dump, a.dump_format, load_tokenizer(a.tokenizer), not a.no_special_tokens)
+        out = write_dump_log(steps, a.log_out)
+        print(f"wrote {sum(len(df) for df in steps.values())} rollouts of {len(steps)} steps to {out} "
+              f"(python -m bench.simulate {out}); note: {RETOKENIZED_NOTE}")
+        return
+    if a.out is None:
+        raise TraceError("pass --out TRACE_DIR (the trace to create)")
+    if a.tokenizer is not None:
+        load_tokenizer(a.tokenizer)
     sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
                 "max_new_tokens": a.max_new_tokens, "n": a.n, "seed": a.seed}
-    try:
-        trace = import_trace(a.checkpoints, a.prompts, a.out, a.rollouts, a.steps_per_prompt_visit, a.name,
-                             a.task, sampling, a.tokenizer, not a.no_special_tokens)
-    except TraceError as exc:
-        raise SystemExit(f"import failed: {exc}")
+    trace = import_trace(a.checkpoints, a.prompts, a.out, a.rollouts, a.steps_per_prompt_visit, a.name,
+                         a.task, sampling, a.tokenizer, not a.no_special_tokens, dump=a.dump,
+                         dump_format=a.dump_format if a.dump else None)
     print(f"wrote {trace} ({sum(len(s.prompt_ids) for s in trace.steps)} step-prompts, "
-          f"{sum(s.rollouts is not None for s in trace.steps)} steps with rollouts) to {a.out}")
+          f"{sum(s.rollouts is not None for s in trace.steps)} steps with rollouts, "
+          f"{sum(s.checkpoint is None for s in trace.steps)} of them without a checkpoint) to {a.out}"
+          + (f"; note: {RETOKENIZED_NOTE}" if a.dump else ""))
 
 
 if __name__ == "__main__":
-    main()
+    from .errors import run_main
+    run_main(main)
