@@ -31,7 +31,7 @@ import pandas as pd
 from tqdm.auto import tqdm
 
 from .results import STEPS_DIR, RunFolderError, _flatten, load_run
-from .stats import summarize
+from .stats import summarize, tail_share
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
 HARDWARE_KEYS = ("cpu", "cores", "gpu", "gpu_count")  # summary.json hardware fields that name the machine
@@ -40,7 +40,7 @@ GROUP = ("trace", "engine", "engine_config", "hardware", "sampling")
 COUPLED_ENGINES = ("torch_ref",)  # engines whose sampling is coupled: exact methods are token-identical
 DISPLAY = ("method", "tokens_per_step", "mean_acceptance_length", "acceptance_rate",
            "rollout_wall_s", "tokens_per_s", "speedup", "speedup_std", "reward_delta",
-           "identity_rate", "rule_divergences", "num_steps")
+           "identity_rate", "rule_divergences", "tail_share", "num_steps")
 
 
 @dataclass
@@ -283,7 +283,21 @@ def collect(paths: Iterable[str | Path], baseline: str = "baseline", progress: b
     table = table.merge(used, on=by, how="left")
     table["baseline_run"] = table["run_id"].map(pairs)
     table = _identity(table, chosen, pairs, configs, all_rollouts, baseline)
+    per_step, table = _with_tail_share(runs, per_step, table, keep, by)
     return Collection(runs, rollouts, steps, table, per_step, notes)
+
+
+def _with_tail_share(runs, per_step, table, keep, by):
+    """``tail_share`` (bench.stats) per step from each run's iterations.parquet, and its mean per method."""
+    from .results import load_iterations
+    parts = [load_iterations(d).assign(run_id=r) for r, d in zip(runs["run_id"], runs["run_dir"])]
+    parts = [keep(p) for p in parts if not p.empty]
+    if not parts:
+        return per_step.assign(tail_share=np.nan), table.assign(tail_share=np.nan)
+    shares = tail_share(pd.concat(parts, ignore_index=True))
+    per_step = per_step.merge(shares, on=["run_id", "method", "step"], how="left")
+    mean = per_step.groupby(by, dropna=False)["tail_share"].mean().rename("tail_share").reset_index()
+    return per_step, table.merge(mean, on=by, how="left")
 
 
 def _fmt(v) -> str:

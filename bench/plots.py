@@ -240,8 +240,14 @@ def plot_engine_comparison(col: Collection, out_dir: Path) -> list[Path]:
     return paths
 
 
+def plot_live_rows(col: Collection, out_dir: Path) -> list[Path]:
+    """Live rows over time within a step, baseline vs the best method (bench.live_rows_plot)."""
+    from .live_rows_plot import plot_live_rows as plot
+    return plot(col, out_dir)
+
+
 PLOTS = (plot_speedup, plot_step_curves, plot_rollout_time, plot_accepted_length_hist,
-         plot_engine_comparison)
+         plot_engine_comparison, plot_live_rows)
 
 
 def make_figures(runs: Collection | Iterable[str | Path], out_dir: str | Path,

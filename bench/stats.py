@@ -104,3 +104,21 @@ def accepted_length_hist(rollouts: pd.DataFrame, by: Sequence[str] = ("method",)
             rows.append({**dict(zip(by, key)), "accepted_length": length, "drafts": int(drafts),
                          "fraction": drafts / denom if denom else np.nan})
     return pd.DataFrame(rows, columns=[*by, "accepted_length", "drafts", "fraction"])
+
+
+TAIL_ROWS = 8  # "few live rows": the tail of a step, where speculation is said to pay
+
+
+def tail_share(iterations: pd.DataFrame, by: Sequence[str] = ("run_id", "method", "step"),
+               max_rows: int = TAIL_ROWS) -> pd.DataFrame:
+    """Per group (default: per step of a run's method): ``tail_share``, the share of rollout wall
+    time spent in engine iterations with at most ``max_rows`` live rows, from iterations.parquet
+    (one row per forward call; an iteration's seconds are its calls' forward + verify + drafter +
+    other seconds; ``live_rows`` is the iteration's). Empty where no iterations were logged."""
+    keys = list(by)
+    if iterations is None or iterations.empty:
+        return pd.DataFrame(columns=[*keys, "tail_share"])
+    it = iterations.assign(seconds=iterations[["forward_s", "verify_s", "drafter_s", "other_s"]].fillna(0).sum(1))
+    it = it.assign(tail_s=it["seconds"].where(it["live_rows"] <= max_rows, 0.0))
+    g = it.groupby(keys, dropna=False, sort=True)[["tail_s", "seconds"]].sum()
+    return g.assign(tail_share=safe_div(g["tail_s"], g["seconds"]))[["tail_share"]].reset_index()
