@@ -129,7 +129,8 @@ def processed_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     return processed_probs_and_cut_margin(logits, cfg)[0]
 
 
-def processed_probs_and_cut_margin(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def processed_probs_and_cut_margin(logits: torch.Tensor, cfg: SamplingConfig,
+                                   dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`processed_probs` and, per position, how close its top-k/top-p cut is to flipping.
 
     The cut margin [...] float64 is in probability mass before the cut: top-k, the softmax gap
@@ -138,29 +139,89 @@ def processed_probs_and_cut_margin(logits: torch.Tensor, cfg: SamplingConfig) ->
     +inf when neither cut is on (and under greedy, whose tie is the top-1/top-2 gap instead).
     A cut that flips between two forward passes renormalises the whole distribution, so a
     token's CDF margin (``bench.verify``) is capped by this margin (``bench.precision``).
+    ``dtype``: the precision of the softmax and the cuts (the verifier passes the logits' own,
+    fp32 or float64; the probs come back in it).
     """
-    inf = torch.full(logits.shape[:-1], float("inf"), dtype=torch.float64, device=logits.device)
     if cfg.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float64), inf
-    x = scaled_logits(logits, cfg).to(torch.float64)
-    cut = inf
+        inf = torch.full(logits.shape[:-1], float("inf"), dtype=torch.float64, device=logits.device)
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dtype), inf
+    return processed_from_scaled(scaled_logits(logits, cfg).to(dtype), cfg)
+
+
+def processed_from_scaled(x: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`processed_probs_and_cut_margin` on logits already divided by the temperature (and in
+    the working dtype); ``x`` is left unchanged. Not for greedy."""
+    cut = torch.full(x.shape[:-1], float("inf"), dtype=torch.float64, device=x.device)
     if 0 < cfg.top_k < x.shape[-1]:
         top = torch.topk(x, cfg.top_k + 1, dim=-1).values
         kth = top[..., -2:-1]
         lse = torch.logsumexp(x, dim=-1)
-        cut = torch.exp(top[..., -2] - lse) - torch.exp(top[..., -1] - lse)
+        cut = (torch.exp(top[..., -2] - lse) - torch.exp(top[..., -1] - lse)).to(torch.float64)
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if cfg.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        drop_sorted = mass_before >= cfg.top_p
-        gap = (mass_before - cfg.top_p).abs().masked_fill(sorted_p == 0, float("inf")).amin(-1)
-        cut = torch.minimum(cut, gap)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
+        drop, gap = nucleus_drop(probs, cfg.top_p)
+        cut = torch.minimum(cut, gap.to(torch.float64))
+        probs.masked_fill_(drop, 0.0)
+        probs.div_(probs.sum(-1, keepdim=True))
     return probs, cut
+
+
+# candidate counts tried by the exact top-p prefilter before a full sort of the vocabulary
+TOP_P_CANDIDATES = (1024, 16384)
+
+
+def nucleus_drop(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p cut of ``probs`` [..., V]: (drop [..., V] bool, gap [...]), as a stable descending sort
+    of the whole vocabulary gives them: a token is dropped when the mass before it in that order
+    reaches top_p; gap = min over nonzero tokens of |mass before - top_p|.
+
+    A stable sort of 152k tokens costs tens of ms per position on a CPU core, so each row first
+    takes its ``k`` largest tokens for k in ``TOP_P_CANDIDATES`` (k at most an eighth of the
+    vocabulary; a partial selection, then a stable sort of the k + 1 candidates by probability
+    and index: the full sort's order) and keeps that answer only where it is provably the full
+    sort's: the mass of the k reaches top_p with room for rounding (so every token past them is
+    dropped), and no kept token ties with the first token left out (so the kept set does not
+    depend on which of equal tokens the selection returned). Other rows try the next k, then the
+    full sort. The mass before each candidate is the prefix sum of the same values in the same
+    order as in the full sort, so the drop mask is the full sort's, bit for bit on CPU (a GPU scan
+    may round a long prefix differently in its last bit); gap leaves out the tokens past the
+    candidates, whose mass before is the last candidate's or more (up to that rounding).
+    ``tests/test_sampling.py`` checks both against the full sort, ties included.
+    """
+    shape = probs.shape
+    flat = probs.reshape(-1, shape[-1])
+    n, V = flat.shape
+    drop = torch.ones(n, V, dtype=torch.bool, device=probs.device)
+    gap = torch.empty(n, dtype=probs.dtype, device=probs.device)
+    todo = torch.arange(n, device=probs.device)
+    slack = 4 * torch.finfo(probs.dtype).eps
+    for k in TOP_P_CANDIDATES:
+        if not len(todo) or 8 * k > V:  # a small vocabulary sorts as fast as it selects
+            break
+        sub = flat[todo]
+        vals, idx = torch.topk(sub, k + 1, dim=-1)
+        idx, perm = idx.sort(dim=-1)  # candidates by index, then stably by probability: the full sort's order
+        vals, order = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
+        idx = idx.gather(-1, order)
+        cum = torch.cumsum(vals, dim=-1)
+        before = cum - vals
+        kept = before < top_p  # positions 0..k, as the full sort would decide them
+        last = torch.where(kept, torch.arange(k + 1, device=probs.device), 0).amax(-1)  # the last kept position
+        ok = (cum[:, k - 1] - slack >= top_p) & ~kept[:, k]
+        ok &= (vals[:, k - 1] > vals[:, k]) | (vals.gather(-1, last[:, None]).squeeze(-1) > vals[:, k])
+        rows = todo[ok]
+        keep = torch.zeros(len(rows), V, dtype=torch.bool, device=probs.device)
+        drop[rows] = ~keep.scatter_(-1, idx[ok], kept[ok])
+        gap[rows] = (before[ok] - top_p).abs().masked_fill(vals[ok] == 0, float("inf")).amin(-1)
+        todo = todo[~ok]
+    if len(todo):  # the reference: a stable sort of the whole vocabulary
+        sorted_p, order = torch.sort(flat[todo], dim=-1, descending=True, stable=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = before >= top_p
+        gap[todo] = (before - top_p).abs().masked_fill(sorted_p == 0, float("inf")).amin(-1)
+        drop[todo] = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return drop.reshape(shape), gap.reshape(shape[:-1])
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -68,3 +68,31 @@ def test_bad_sampling_values_are_named():
         SamplingConfig(top_p=0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingConfig(temperature=-1)
+
+
+def _full_sort_nucleus(probs, top_p):
+    """The reference top-p cut: a stable descending sort of the whole vocabulary."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    gap = (before - top_p).abs().masked_fill(sorted_p == 0, float("inf")).amin(-1)
+    return torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= top_p), gap
+
+
+def test_top_p_prefilter_cuts_exactly_as_a_full_sort(monkeypatch):
+    import bench.sampling as sampling_mod
+    from bench.sampling import nucleus_drop
+    monkeypatch.setattr(sampling_mod, "TOP_P_CANDIDATES", (16, 256))  # small vocabularies exercise every branch
+    g = torch.Generator().manual_seed(0)
+    used = 0
+    for trial in range(40):
+        dtype = (torch.float32, torch.float64)[trial % 2]
+        x = torch.randn(24, 4096, generator=g, dtype=torch.float64) * (1, 3, 6, 12)[trial % 4]
+        if trial % 3 == 0:
+            x = x.round()  # many exact ties, also at the candidates' edge
+        probs = torch.softmax(x.to(dtype), -1)
+        for top_p in (0.3, 0.9, 0.99):
+            want_drop, want_gap = _full_sort_nucleus(probs, top_p)
+            drop, gap = nucleus_drop(probs, top_p)
+            assert torch.equal(drop, want_drop) and torch.equal(gap, want_gap)
+            used += int(((~want_drop).sum(-1) < 256).sum())
+    assert used > 1000  # most rows have a nucleus the candidates can hold (the prefilter path runs)
