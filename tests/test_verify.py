@@ -157,3 +157,54 @@ def test_exact_rule_emits_plain_sampling_tokens():
     base = toy_rollouts(n, lambda rng: Draft(), VerifyConfig(), seed=5)
     for tree in (False, True):
         assert toy_rollouts(n, lambda rng: random_draft(rng, tree, False), VerifyConfig(), seed=5) == base
+
+
+# ------------------------------------------------------------------ windows and chunks
+
+def _accepting_case(rng: random.Random, V: int, tree: bool, ratio: bool, n_max: int):
+    """Random logits [1, K, V] and a draft whose tokens are mostly the argmax of their parent
+    node (so chains run long before their first rejection), float64."""
+    n = rng.randint(0, n_max)
+    parents = [rng.randint(max(-1, i - 3), i - 1) for i in range(n)] if tree else None
+    logits = torch.randn(1, n + 1, V, dtype=torch.float64) * 4
+    d = Draft([0] * n, parents, [math.log(rng.uniform(0.05, 1.0)) for _ in range(n)] if ratio else None)
+    for i, p in enumerate(d.parent_list()):
+        d.token_ids[i] = int(logits[0, p + 1].argmax()) if rng.random() < 0.9 else rng.randrange(V)
+    return logits, d
+
+
+@pytest.mark.parametrize("sampling", [T1, SamplingConfig(top_p=0.8, temperature=0.7), SamplingConfig(temperature=0)],
+                         ids=["t1", "top_p", "greedy"])
+def test_windowed_verification_gives_the_unwindowed_verdict(sampling, monkeypatch):
+    import bench.verify as verify_mod
+    rng = random.Random(3)
+    rules = ["exact", "ratio"] + (["greedy"] if sampling.greedy else [])
+    longest = 0
+    for case in range(60):
+        rule = rules[case % len(rules)]
+        tree = rule != "ratio" and case % 2 == 1
+        batch = [_accepting_case(rng, 30, tree, rule == "ratio", 40) for _ in range(3)]
+        K = max(lg.shape[1] for lg, _ in batch)
+        logits = torch.full((3, K, 30), float("nan"), dtype=torch.float64)  # padding: never read
+        for b, (lg, _) in enumerate(batch):
+            logits[b, :lg.shape[1]] = lg[0]
+        drafts = [d for _, d in batch]
+        keys = torch.tensor([rollout_seed(case, 1, "w", b) for b in range(3)])
+        verify = VerifyConfig(rule, lenience=1.3 if rule == "ratio" else 1.0)
+        monkeypatch.setattr(verify_mod, "WINDOW", 10_000)
+        whole = verify_batch(logits, drafts, keys, [case, 0, 7], sampling, verify)
+        longest = max([longest] + [v.num_accepted for v in whole])
+        for window, chunk in ((1, 1), (2, 7 * 30 * 4), (5, 1 << 20)):
+            monkeypatch.setattr(verify_mod, "WINDOW", window)
+            monkeypatch.setattr(verify_mod, "CHUNK_BYTES", {"cpu": chunk})
+            read = []
+
+            def logits_at(rows, nodes):
+                read.append(len(rows))
+                return logits[rows, nodes]
+            got = verify_mod.verify_nodes(logits_at, 30, drafts, keys, [case, 0, 7], sampling, verify)
+            assert [(v.emitted, v.path, v.logprobs, v.margins) for v in got] == \
+                [(v.emitted, v.path, v.logprobs, v.margins) for v in whole]
+            # windows double from ``window``: a row reads at most about twice the nodes its verdict needs
+            assert sum(read) <= sum(min(1 + len(d), 2 * len(v.path) + window) for d, v in zip(drafts, whole))
+    assert longest > 10  # the cases do run past the small windows
