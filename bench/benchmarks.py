@@ -308,11 +308,15 @@ def near_tie_shift(dtypes=("float64", "float32", "bfloat16", "float16"), vocab: 
             eng.load(ckpt)
             seen: dict = {}
             shifts: list[float] = []
-            real_verify = tr.verify_batch
+            real_verify = tr.verify_nodes
             slot = {rollout_seed(sampling.seed, r.step, r.key.prompt_id, r.key.sample_idx): r.key for r in reqs}
             live: list = [None]  # the oracle being measured: its nodes are comparable while it agrees
 
-            def recording(logits, drafts, keys, out_lens, samp, verify, record):
+            def recording(logits_at, vocab, drafts, keys, out_lens, samp, verify, record):
+                K = 1 + max(len(d) for d in drafts)  # every row's nodes, padding read as its last node
+                rows_i = torch.arange(len(drafts)).repeat_interleave(K)
+                nodes_i = torch.minimum(torch.arange(K).repeat(len(drafts)), torch.tensor([len(d) for d in drafts])[rows_i])
+                logits = logits_at(rows_i, nodes_i).reshape(len(drafts), K, -1).cpu()
                 cdf = torch.cumsum(processed_probs(logits.float() if logits.dtype != torch.float64 else logits, samp), -1)
                 cdf = cdf / cdf[..., -1:]
                 for b, (d, key, o) in enumerate(zip(drafts, keys.tolist(), out_lens)):
@@ -325,17 +329,17 @@ def near_tie_shift(dtypes=("float64", "float32", "bfloat16", "float16"), vocab: 
                             seen[(key, o + j)] = cdf[b, j].clone()
                         elif (key, o + j) in seen:
                             shifts.append(float((cdf[b, j] - seen[(key, o + j)]).abs().max()))
-                return real_verify(logits, drafts, keys, out_lens, samp, verify)
+                return real_verify(logits_at, vocab, drafts, keys, out_lens, samp, verify)
 
             try:
-                tr.verify_batch = lambda *a: recording(*a, record=True)
+                tr.verify_nodes = lambda *a: recording(*a, record=True)
                 base = eng.rollout(reqs, sampling, Baseline(), VerifyConfig())
                 futures = {r.key: r.token_ids for r in base}
                 for shape, drafter in (("chain", OracleDrafter(futures, budget)),
                                        ("tree", _OracleTree(futures, budget))):
                     shifts.clear()
                     live[0] = drafter
-                    tr.verify_batch = lambda *a: recording(*a, record=False)
+                    tr.verify_nodes = lambda *a: recording(*a, record=False)
                     out = eng.rollout(reqs, sampling, drafter, VerifyConfig())
                     thr = precision.near_tie_threshold(name.removesuffix("-logits"))
                     kinds, tie_margins = [], [0.0]
@@ -354,7 +358,7 @@ def near_tie_shift(dtypes=("float64", "float32", "bfloat16", "float16"), vocab: 
                                  "rule_divergences": kinds.count("rule_divergence"),
                                  "divergence_margin_max": max(tie_margins)})
             finally:
-                tr.verify_batch = real_verify
+                tr.verify_nodes = real_verify
     return rows
 
 

@@ -26,7 +26,7 @@ from methods.base import Draft, Drafter, Rollout
 from ..drafting import DraftCounters, next_draft, report_live
 from ..sampling import SamplingConfig
 from ..spec_policy import SpecPolicy
-from ..verify import VerifyConfig, check_rule, verify_batch
+from ..verify import VerifyConfig, check_rule, verify_nodes
 from .base import Request, RunAheadSource, request_key64
 from .checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
 from .kv_slots import SlotKVCache
@@ -69,6 +69,7 @@ class TorchRefEngine:
         self.attn_implementation = attn_implementation
         self.max_batch_size = max_batch_size
         self.model = None
+        self._base = None  # the model without its output layer (``_find_base``), None: the full forward
         self.info: CheckpointInfo | None = None
         self._arch_key: str | None = None
         self.last_iterations = 0
@@ -109,7 +110,10 @@ class TorchRefEngine:
             fwd = inspect.signature(self.model.forward).parameters
             self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
             self._keep_kw = "logits_to_keep" if "logits_to_keep" in fwd else "num_logits_to_keep"
+            self._base = None
         self._fp32_head()
+        if self._base is None:
+            self._base = self._find_base()
         self.info, self._arch_key = info, arch_key
         if self.policy.table == "auto":
             from .torch_timing import cached_latency_table
@@ -127,11 +131,39 @@ class TorchRefEngine:
         bias = None if head.bias is None else head.bias.detach().float()
         head.forward = lambda x: torch.nn.functional.linear(x.float(), weight, bias)
 
+    def _find_base(self):
+        """The model without its output layer, where ``output layer(base(x).last_hidden_state)`` is
+        exactly the model's logits (checked on a probe input): the engine then runs the base and
+        applies the output layer to the hidden states of the verified nodes only, chunk by chunk
+        (``bench.verify.verify_nodes``). transformers' ``logits_to_keep`` takes a 2D bool mask of
+        ragged positions, but computes all their logits at once (batch x draft x vocabulary for a
+        4,096-token draft); models whose logits are more than the head of the hidden state (soft
+        capping, scaling) fail the probe and keep the full forward (None)."""
+        base = getattr(self.model, "base_model", None)
+        head = self.model.get_output_embeddings()
+        if base is None or base is self.model or head is None:
+            return None
+        fwd = inspect.signature(base.forward).parameters
+        cache_kw = "cache" if "cache" in fwd else "past_key_values"
+        if cache_kw not in fwd or "position_ids" not in fwd:
+            return None
+        ids = torch.tensor([[0, 1, 2, 1]], device=self.device) % self.model.config.vocab_size
+        with torch.inference_mode():
+            try:
+                full = self.model(input_ids=ids, use_cache=False).logits
+                hidden = base(input_ids=ids, use_cache=False).last_hidden_state
+            except Exception:  # noqa: BLE001 - any failure means: keep the full forward
+                return None
+            if not torch.equal(head(hidden), full):
+                return None
+        self._base_cache_kw = cache_kw
+        return base
+
     def _is_tied(self, name: str) -> bool:
         return name.startswith("lm_head") and bool(getattr(self.model.config, "tie_word_embeddings", False))
 
     def close(self) -> None:
-        self.model = None
+        self.model = self._base = None
 
     # ------------------------------------------------------------------ rollouts
     def rollout(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
@@ -238,17 +270,13 @@ class TorchRefEngine:
             block = _Block.build(g_rows, g_drafts, cache, self.device, self.dtype)
             subset = None if len(group) == len(rows) else torch.tensor(group, device=self.device)
             cache.set_block(block.write_index, block.view_len, subset)
-            out = self.model(**{"input_ids": block.input_ids, "position_ids": block.position_ids,
-                                "attention_mask": block.mask, self._cache_kw: cache, "use_cache": True,
-                                self._keep_kw: block.keep})
-            logits = out.logits if block.keep == 1 else \
-                out.logits[torch.arange(len(group), device=self.device)[:, None], block.node_index]  # [b, K, V]
+            logits_at, head_s = self._node_logits(block, cache)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()  # forward seconds are the model's, not the verifier's
             t_v = time.perf_counter()
             keys = torch.tensor([r.key64 for r in g_rows], dtype=torch.int64)
-            for i, v in zip(group, verify_batch(logits, g_drafts, keys, [len(r.output) for r in g_rows],
-                                                sampling, verify)):
+            for i, v in zip(group, verify_nodes(logits_at, self._vocab, g_drafts, keys, [len(r.output) for r in g_rows],
+                                                sampling, verify, device=self.device)):
                 verdicts[i] = v
             ctx = [contexts[i] for i in group]
             calls.append({"rows": len(group), "run_ahead_rows": sum(r.request.run_ahead for r in g_rows),
@@ -256,7 +284,7 @@ class TorchRefEngine:
                           "block_tokens": int(block.input_ids.numel()), "context_sum": sum(ctx),
                           "context_max": max(ctx), "draft_tokens": sum(len(d) for d in g_drafts),
                           "draft_budget": -1 if cap is None else cap, "group": group,
-                          "forward_s": t_v - t_f, "verify_s": time.perf_counter() - t_v})
+                          "forward_s": t_v - t_f + head_s[0], "verify_s": time.perf_counter() - t_v - head_s[0]})
         now = time.perf_counter() - t0
         accepted = [0] * len(rows)
         moves = []
@@ -300,6 +328,39 @@ class TorchRefEngine:
             call["accepted_tokens"] = sum(accepted[i] for i in call.pop("group"))
         return calls, drafter_s
 
+    def _node_logits(self, block: "_Block", cache: SlotKVCache):
+        """Run the model on a block; returns ``logits_at(rows, nodes)`` for the verifier (the fp32
+        logits of those (row, local node) pairs, the output layer applied to their hidden states
+        only) and a one-item list that accumulates the seconds spent in the output layer (forward
+        seconds, though the verifier calls it)."""
+        head_s = [0.0]
+        inputs = {"input_ids": block.input_ids, "position_ids": block.position_ids, "attention_mask": block.mask,
+                  "use_cache": True}
+        if self._base is None:  # the full forward: logits of the last K positions of every row
+            out = self.model(**inputs, **{self._cache_kw: cache, self._keep_kw: block.keep})
+            logits = out.logits
+            index = block.node_index.to(logits.device)
+            return (lambda rows, nodes: logits[rows.to(logits.device), index[rows.to(logits.device),
+                                                                               nodes.to(logits.device)]]), head_s
+        hidden = self._base(**inputs, **{self._base_cache_kw: cache}).last_hidden_state  # [b, q, H]
+        head = self.model.get_output_embeddings()
+        root = block.root_index.to(hidden.device)
+        sync = self.device.type == "cuda"
+
+        def logits_at(rows: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+            t = time.perf_counter()
+            rows, nodes = rows.to(hidden.device), nodes.to(hidden.device)
+            out = head(hidden[rows, root[rows] + nodes])
+            if sync:
+                torch.cuda.synchronize()
+            head_s[0] += time.perf_counter() - t
+            return out
+        return logits_at, head_s
+
+    @property
+    def _vocab(self) -> int:
+        return getattr(self.model.get_output_embeddings(), "out_features", self.model.config.vocab_size)
+
     def _log_iteration(self, calls: list[dict], drafter_s: float, total_s: float) -> None:
         """Append an iteration's forward calls to ``last_iteration_log`` (what iterations.parquet
         stores); the drafter's seconds and the rest of the iteration go on its first call."""
@@ -335,6 +396,7 @@ class _Block:
     keep: int  # logits kept: the last K block positions
     view_len: int
     trash: int
+    root_index: torch.Tensor | None = None  # [B] block index of local node 0 (node j at root + j)
 
     @classmethod
     def build(cls, rows: list[_Row], drafts: list[Draft], cache: SlotKVCache, device, dtype) -> "_Block":
@@ -348,7 +410,8 @@ class _Block:
             allowed = torch.arange(view_len)[None, None, :] <= slot[:, :, None]
             mask = _additive(allowed, dtype)
             ids = torch.tensor([r.pending for r in rows])
-            return cls(*_on(device, ids, slot, slot, mask, torch.zeros(B, 1, dtype=torch.int64)), 1, view_len, trash)
+            return cls(*_on(device, ids, slot, slot, mask, torch.zeros(B, 1, dtype=torch.int64)), 1, view_len, trash,
+                       torch.zeros(B, dtype=torch.int64))
         chains = all(d.parents is None for d in drafts)
         ids, pos, slot, parent, node_index = [], [], [], [], []  # built as lists: one tensor each
         for row, d, s in zip(rows, drafts, sizes):
@@ -381,7 +444,8 @@ class _Block:
             allowed = allowed[..., :view_len]
         allowed[:, :, 0] |= ~real  # padding queries look at slot 0 only (never an empty softmax)
         mask = _additive(allowed, dtype)
-        return cls(*_on(device, ids, pos, slot, mask, node_index), K, view_len, trash)
+        root = torch.tensor([q - 1 - len(d) for d in drafts])
+        return cls(*_on(device, ids, pos, slot, mask, node_index), K, view_len, trash, root)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
