@@ -47,10 +47,10 @@ class DASDrafter(TreeCacheDrafter):
                  window_steps: int = 16, recent_steps: int = 2, recent_weight: int = 2,
                  long_budget: int = 24, medium_budget: int = 8, short_budget: int = 0,
                  short_max: float = 0.0625, long_min: float = 0.25, length_unit: str = "cap",
-                 ema_alpha: float = 0.2):
+                 ema_alpha: float = 0.2, backend: str = "auto"):
         super().__init__(max_depth=max_depth, max_spec_tokens=max_spec_tokens, factor=factor,
                          offset=offset, min_prob=min_prob, tree=tree, in_flight=True, history=True,
-                         run_ahead=False, match=match)
+                         run_ahead=False, match=match, backend=backend)
         if length_unit not in LENGTH_UNITS:
             raise ValueError(f"length_unit must be one of {LENGTH_UNITS}, got {length_unit!r}")
         if window_steps < 1 or recent_weight < 1:

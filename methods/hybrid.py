@@ -24,11 +24,12 @@ class HybridDrafter(NullDrafter):
     def __init__(self, prefix_max_spec_tokens: int | None = None, max_depth: int = 64,
                  max_spec_tokens: int = 24, factor: float = 1.0, offset: float = 0.0,
                  min_prob: float = 0.1, tree: bool = False, run_ahead: bool = False,
-                 match: str = "longest"):
+                 match: str = "longest", backend: str = "auto"):
         self.prefix = PrefixReuseDrafter(max_spec_tokens=prefix_max_spec_tokens)
         self.tree_cache = TreeCacheDrafter(max_depth=max_depth, max_spec_tokens=max_spec_tokens,
                                            factor=factor, offset=offset, min_prob=min_prob,
-                                           tree=tree, run_ahead=run_ahead, match=match)
+                                           tree=tree, run_ahead=run_ahead, match=match, backend=backend)
+        self.backend = self.tree_cache.backend
         self._parts = (self.prefix, self.tree_cache)
 
     def begin_step(self, step: int) -> None:

@@ -36,10 +36,10 @@ class SeerDrafter(TreeCacheDrafter):
 
     def __init__(self, max_depth: int = 64, max_spec_tokens: int = 24, factor: float = 1.0,
                  offset: float = 0.0, min_prob: float = 0.1, tree: bool = False, match: str = "longest",
-                 history: bool = False, max_batch_draft_tokens: int | None = 128):
+                 history: bool = False, max_batch_draft_tokens: int | None = 128, backend: str = "auto"):
         super().__init__(max_depth=max_depth, max_spec_tokens=max_spec_tokens, factor=factor,
                          offset=offset, min_prob=min_prob, tree=tree, in_flight=True, history=history,
-                         run_ahead=False, match=match)
+                         run_ahead=False, match=match, backend=backend)
         if max_batch_draft_tokens is not None and max_batch_draft_tokens < 0:
             raise ValueError(f"max_batch_draft_tokens must be >= 0 or null, got {max_batch_draft_tokens}")
         self.max_batch_draft_tokens = max_batch_draft_tokens
@@ -84,6 +84,8 @@ class SeerDrafter(TreeCacheDrafter):
         seq_id = self._live.get(key)
         if trie is None or seq_id is None or len(trie.sequence(seq_id)) - 1 != output_len:
             return None
+        if self._native:
+            return trie.speculate_seq(seq_id, cap, self.factor, self.offset, self.min_prob, self.tree)
         rule = trie.speculate_longest if self.match == "longest" else trie.speculate
         return rule(trie.own_matches(seq_id), cap, self.factor, self.offset, self.min_prob, self.tree)
 

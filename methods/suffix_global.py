@@ -21,7 +21,7 @@ from collections import deque
 from typing import Sequence
 
 from .base import Draft, NullDrafter, Rollout, RolloutKey
-from .suffix_tree import ContextMatcher, SuffixTrie
+from .suffix_tree import ContextMatcher, SuffixTrie, make_tree, resolve_backend
 
 OWN = 0  # sequence id of the request inside its own trie
 
@@ -30,10 +30,11 @@ class SuffixGlobalDrafter(NullDrafter):
     """Global response trie + per-request prompt trie, depth 24, factor 1.0, min_prob 0.1."""
 
     name = "suffix_global"
+    backend, _native = "python", False  # what snapshots pickled before the knob existed resume on
 
     def __init__(self, max_depth: int = 24, max_cached_responses: int = 10000,
                  max_spec_tokens: int = 24, factor: float = 1.0, offset: float = 0.0,
-                 min_prob: float = 0.1, tree: bool = False, in_flight: bool = True):
+                 min_prob: float = 0.1, tree: bool = False, in_flight: bool = True, backend: str = "auto"):
         self.max_depth = max_depth
         self.max_cached_responses = max_cached_responses
         self.max_spec_tokens = max_spec_tokens
@@ -42,7 +43,10 @@ class SuffixGlobalDrafter(NullDrafter):
         self.min_prob = min_prob
         self.tree = tree
         self.in_flight = in_flight
-        self.global_trie = SuffixTrie(max_depth)
+        # native (auto, where installed): the released rule is the native tree's own call
+        self.backend = resolve_backend(backend, supported=True)
+        self._native = self.backend == "native"
+        self.global_trie = make_tree(self.backend, max_depth)
         self._cached: deque[int] = deque()  # global sequence ids, oldest first
         self._next_seq = 0
         self._own: dict[RolloutKey, SuffixTrie] = {}
@@ -68,12 +72,13 @@ class SuffixGlobalDrafter(NullDrafter):
         self._owner.clear()
 
     def start(self, key: RolloutKey, prompt: Sequence[int]) -> None:
-        own = SuffixTrie(self.max_depth)
+        own = make_tree(self.backend, self.max_depth)
         own.extend(OWN, prompt)
         self._own[key] = own
         self._prompt_len[key] = len(prompt)
         if not self.in_flight:
-            self._matchers[key] = ContextMatcher(self.global_trie, prompt)
+            if not self._native:  # the native call takes the context itself
+                self._matchers[key] = ContextMatcher(self.global_trie, prompt)
         elif self.max_cached_responses > 0:
             old = self._active.pop(key, None)  # a restart of a running key: its response stays cached
             if old is not None:
@@ -101,7 +106,8 @@ class SuffixGlobalDrafter(NullDrafter):
             return
         own.extend(OWN, new_tokens)
         if not self.in_flight:
-            self._matchers[key].feed(new_tokens)
+            if not self._native:
+                self._matchers[key].feed(new_tokens)
         elif key in self._active:
             self.global_trie.extend(self._active[key], new_tokens)
 
@@ -127,12 +133,21 @@ class SuffixGlobalDrafter(NullDrafter):
         elif have > len(output):
             return Draft()
         args = (limit, self.factor, self.offset, self.min_prob, self.tree)
+        if self._native:  # the released call: the context's last max_depth tokens, one call per tree
+            pattern = own.sequence(OWN)[-self.max_depth:] if OWN in own else []
+            own_spec = own.speculate(pattern, *args)
+            global_spec = self.global_trie.speculate(pattern, *args)
+            return self._pick(own_spec, global_spec)
         # as the native tree does, the longest suffix tried is one token shorter than the
         # pattern (the last max_depth tokens of the context): a context shorter than the depth
         # is never matched whole
         longest = min(self._prompt_len[key] + len(output), self.max_depth) - 1
         own_spec = own.speculate(own.own_matches(OWN)[:longest], *args)
         global_spec = self.global_trie.speculate(self._global_matches(key, own)[:longest], *args)
+        return self._pick(own_spec, global_spec)
+
+    def _pick(self, own_spec, global_spec) -> Draft:
+        """The global draft only on a strictly higher score."""
         if own_spec.score >= global_spec.score:
             spec = own_spec
             self._own_wins += bool(spec.token_ids)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .base import Draft, NullDrafter, Rollout, RolloutKey
-from .suffix_tree import START, ContextMatcher, SuffixTrie
+from .suffix_tree import START, ContextMatcher, SuffixTrie, make_tree, resolve_backend
 
 MATCH_RULES = ("longest", "best")  # SRT's paper / SuffixDecoding's best score over match lengths
 
@@ -28,17 +28,24 @@ class TreeCacheDrafter(NullDrafter):
     match length: ``"longest"`` (SRT's paper: the longest suffix of the context that has a
     continuation drafts, ``SuffixTrie.speculate_longest``) or ``"best"`` (SuffixDecoding's
     rule: the best score over every match length, ``SuffixTrie.speculate``).
+    ``backend`` (``auto`` | ``python`` | ``native``): the tries are arctic-inference's native
+    suffix trees where that is installed and ``match`` is ``best`` (``auto``); the longest-match
+    rule has no native form and always runs on the Python trie (``native`` refuses it).
     """
 
     name = "tree_cache"
+    backend, _native = "python", False  # what snapshots pickled before the knob existed resume on
 
     def __init__(self, max_depth: int = 64, max_spec_tokens: int = 24, factor: float = 1.0,
                  offset: float = 0.0, min_prob: float = 0.1, tree: bool = False,
                  in_flight: bool = True, history: bool = True, run_ahead: bool = False,
-                 match: str = "longest"):
+                 match: str = "longest", backend: str = "auto"):
         if match not in MATCH_RULES:
             raise ValueError(f"match must be one of {MATCH_RULES}, got {match!r}")
         self.match = match
+        self.backend = resolve_backend(backend, supported=match == "best",
+                                       what=f"{type(self).__name__} with match: {match}")
+        self._native = self.backend == "native"
         self.max_depth = max_depth
         self.max_spec_tokens = max_spec_tokens
         self.factor = factor
@@ -50,7 +57,7 @@ class TreeCacheDrafter(NullDrafter):
         self.run_ahead = run_ahead  # recorded with the run; the harness does the scheduling
         self._tries: dict[str, SuffixTrie] = {}
         self._live: dict[RolloutKey, int] = {}  # in-flight mode: key -> its sequence id
-        self._matchers: dict[RolloutKey, ContextMatcher] = {}  # history-only mode
+        self._matchers: dict[RolloutKey, ContextMatcher | list[int]] = {}  # history-only mode (native: the context)
         self._next_seq = 0
         self.reset_stats()
 
@@ -63,7 +70,7 @@ class TreeCacheDrafter(NullDrafter):
     def trie(self, prompt_id: str) -> SuffixTrie:
         trie = self._tries.get(prompt_id)
         if trie is None:
-            trie = self._tries[prompt_id] = SuffixTrie(self.max_depth)
+            trie = self._tries[prompt_id] = make_tree(self.backend, self.max_depth)
         return trie
 
     def begin_step(self, step: int) -> None:
@@ -79,7 +86,7 @@ class TreeCacheDrafter(NullDrafter):
             trie.append(self._next_seq, START)
             self._next_seq += 1
         else:
-            self._matchers[key] = ContextMatcher(trie, (START,))
+            self._matchers[key] = [START] if self._native else ContextMatcher(trie, (START,))
 
     def observe(self, key: RolloutKey, new_tokens: Sequence[int]) -> None:
         if self.in_flight:
@@ -88,7 +95,13 @@ class TreeCacheDrafter(NullDrafter):
                 self._tries[key.prompt_id].extend(seq_id, new_tokens)
         else:
             matcher = self._matchers.get(key)
-            if matcher is not None:
+            if matcher is None:
+                return
+            if self._native:
+                matcher += new_tokens
+                if len(matcher) > 2 * self.max_depth:
+                    del matcher[:-self.max_depth]
+            else:
                 matcher.feed(new_tokens)
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
@@ -121,14 +134,21 @@ class TreeCacheDrafter(NullDrafter):
                 trie.extend(seq_id, output[have:])
             elif have > len(output):
                 return Draft()
-            matches = trie.own_matches(seq_id)
+            if self._native:
+                spec = trie.speculate_seq(seq_id, limit, self.factor, self.offset, self.min_prob, self.tree)
+            else:
+                matches = trie.own_matches(seq_id)
         else:
             matcher = self._matchers.get(key)
             if matcher is None:
                 return Draft()
-            matches = matcher.matches()
-        rule = trie.speculate_longest if self.match == "longest" else trie.speculate
-        spec = rule(matches, limit, self.factor, self.offset, self.min_prob, self.tree)
+            if self._native:
+                spec = trie.speculate_context(matcher, limit, self.factor, self.offset, self.min_prob, self.tree)
+            else:
+                matches = matcher.matches()
+        if not self._native:
+            rule = trie.speculate_longest if self.match == "longest" else trie.speculate
+            spec = rule(matches, limit, self.factor, self.offset, self.min_prob, self.tree)
         if spec.token_ids:
             self._drafts += 1
             self._draft_tokens += len(spec.token_ids)

@@ -312,7 +312,7 @@ def test_suffix_global_drafts_equal_the_native_released_cache():
     depth, cap, k = 12, 40, 8
     native_or_skip(depth)
     native = ReleasedCache(depth, cap)
-    ours = SuffixGlobalDrafter(max_depth=depth, max_cached_responses=cap, max_spec_tokens=k)
+    ours = SuffixGlobalDrafter(max_depth=depth, max_cached_responses=cap, max_spec_tokens=k, backend="python")
     ours.begin_step(0)
     rng = random.Random(5)
     phrases = [[rng.randrange(6) for _ in range(5)] for _ in range(4)]  # responses repeat phrases
