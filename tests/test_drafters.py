@@ -514,3 +514,116 @@ def test_methods_never_import_an_engine():
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             assert not {n.split(".")[0] for n in names} & banned, f"{path.name} imports {names}"
+
+
+# ----- the native backend (arctic-inference's suffix tree, where installed) -----
+
+def _native_or_skip():
+    from methods.suffix_tree import native_available
+    if not native_available():
+        pytest.skip("the optional native suffix tree is not installed")
+
+
+NATIVE_CONFIGS = [p for p in CONFIGS if "backend" in OmegaConf.load(p).drafter]
+
+
+def _native_cfg(path):
+    """The config on the native backend; the longest-match rule (no native form) as best score."""
+    cfg = OmegaConf.load(path).drafter
+    cfg.backend = "native"
+    if cfg.get("match") == "longest":
+        cfg.match = "best"
+    return cfg
+
+
+def test_every_tree_config_has_the_backend_knob():
+    assert {p.stem for p in NATIVE_CONFIGS} == {"tree_cache", "tree_cache_tree", "tree_cache_runahead",
+                                                "das", "seer", "suffix_global", "hybrid"}
+    for path in NATIVE_CONFIGS:
+        assert OmegaConf.load(path).drafter.backend == "auto"
+
+
+@pytest.mark.parametrize("path", NATIVE_CONFIGS, ids=lambda p: p.stem)
+def test_native_drafter_state_pickles_and_resumes_identically(path):
+    import pickle
+    _native_or_skip()
+    drafter = instantiate(_native_cfg(path))
+    assert drafter.backend == "native"
+    import random
+    rng = random.Random(1)
+    phrases = [[rng.randrange(7) for _ in range(4)] for _ in range(5)]
+    responses = [sum((rng.choice(phrases) for _ in range(6)), []) for _ in range(6)]
+    for step in range(3):
+        drafter.begin_step(step)
+        for i, target in enumerate(responses):
+            drive(drafter, RolloutKey(f"p{i % 2}", i), target, step=step)
+    copy = pickle.loads(pickle.dumps(drafter))  # the native trees travel as their call logs
+    for d in (drafter, copy):
+        d.begin_step(3)
+    for i, target in enumerate(responses):  # ties included: the replayed trees are the same trees
+        assert (drive(copy, RolloutKey(f"p{i % 2}", i), target, step=3)
+                == drive(drafter, RolloutKey(f"p{i % 2}", i), target, step=3))
+    assert copy.stats() == drafter.stats()
+
+
+def _tie_path(drafter, key, tokens):
+    """True if ``tokens`` follow, from one of the row's own suffix matches in the Python trie,
+    a child of the highest count at every node: a draft that differs only through equal counts."""
+    trie = drafter._tries[key.prompt_id]
+    for node in trie.own_matches(drafter._live[key]):
+        for token in tokens:
+            child = trie.children(node).get(token)
+            if child is None or trie.count_of(child) != trie.count_of(trie.top_child(node)):
+                break
+            node = child
+        else:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("name", ["tree_cache", "tree_cache_tree", "das", "seer", "suffix_global", "hybrid"])
+def test_native_and_python_backends_draft_alike(name):
+    """The same calls on both backends: drafts agree except through equal-count ties (rare on a
+    large vocabulary; DAS counts each fresh rollout twice and trees take every equal sibling, so
+    those two tie more): every differing chain draft follows highest-count children."""
+    import random
+    _native_or_skip()
+    path = ROOT / "conf" / "method" / f"{name}.yaml"
+    native = instantiate(_native_cfg(path))
+    python_cfg = _native_cfg(path)
+    python_cfg.backend = "python"
+    python = instantiate(python_cfg)
+    rng = random.Random(3)
+    phrases = [[rng.randrange(500) for _ in range(rng.randint(3, 8))] for _ in range(40)]
+    weights = [1 / j for j in range(1, 11)]
+    same = calls = 0
+    for step in range(3):
+        # phrases of unequal frequency (weights 1/j), so counts rarely tie
+        targets = {RolloutKey(f"p{p}", i): sum(rng.choices(phrases[10 * p:10 * p + 10], weights, k=12), [])
+                   for p in range(3) for i in range(4)}
+        for d in (native, python):
+            d.begin_step(step)
+            for key in targets:
+                d.start(key, [0, key.sample_idx])
+        outputs = {key: [] for key in targets}
+        while any(len(outputs[k]) < len(t) for k, t in targets.items()):
+            live = [(k, len(outputs[k])) for k, t in targets.items() if len(outputs[k]) < len(t)]
+            for d in (native, python):
+                d.begin_iteration(live)
+            for key, n in live:
+                a = native.propose(key, list(outputs[key]), 24)
+                b = python.propose(key, list(outputs[key]), 24)
+                calls += 1
+                same += a == b
+                if a != b and name in ("tree_cache", "das", "hybrid"):
+                    assert _tie_path(python.tree_cache if name == "hybrid" else python, key, a.token_ids)
+                elif a != b and name == "tree_cache_tree":  # ties reorder a best-first tree, not its size
+                    assert len(a) == len(b)
+                new = targets[key][n:n + 1 + rng.randrange(3)]
+                outputs[key] += new
+                native.observe(key, new)
+                python.observe(key, new)
+        for key, t in targets.items():
+            native.finish(key, rollout(key, t, step))
+            python.finish(key, rollout(key, t, step))
+    assert same >= (0.7 if name in ("das", "tree_cache_tree") else 0.95) * calls, f"only {same} of {calls} identical"

@@ -357,3 +357,148 @@ def test_suffix_global_drafts_equal_the_native_released_cache():
             ours.finish(rk, Rollout(rk, 0, rprompt, list(output), [0.0] * len(output), "length"))
     assert ours.stats()["evictions"] > 0 and ours.stats()["global_wins"] > 0
     assert same > 0.9 * calls, f"only {same} of {calls} drafts identical"
+
+
+# ----- the native backend: rules on top of the native tree, backend choice, pickling -----
+
+def _random_trees(depth, rng, n_seqs=300, vocab=8):
+    native, trie = native_or_skip(depth), SuffixTrie(depth)
+    for seq_id in range(n_seqs):
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        for k in range(0, len(seq), 5):  # interleaved chunks, as in-flight rollouts arrive
+            trie.extend(seq_id, seq[k:k + 5])
+            native.extend(seq_id, seq[k:k + 5])
+        if seq_id >= 20 and rng.random() < 0.3:
+            victim = rng.randrange(seq_id - 10)
+            trie.remove(victim)
+            native.remove(victim)
+    return native, trie
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_native_speculate_seq_equals_the_trie_on_own_matches_up_to_ties(tree):
+    """``speculate_seq`` (sentinel-prefixed context) is the trie's rule over every own match
+    length, short sequences whole included; differences only through equal counts."""
+    rng = random.Random(21)
+    native, trie = _random_trees(10, rng, vocab=12)
+    same = calls = 0
+    for seq_id in list(trie._seqs):
+        for extra in ([], [rng.randrange(12)]):
+            if extra:
+                trie.extend(seq_id, extra)
+                native.extend(seq_id, extra)
+            ours = trie.speculate(trie.own_matches(seq_id), 8, 1.0, 0.0, 0.1, tree)
+            theirs = native.speculate_seq(seq_id, 8, 1.0, 0.0, 0.1, tree)
+            assert native.sequence(seq_id) == trie.sequence(seq_id)
+            calls += 1
+            if theirs.token_ids == ours.token_ids:
+                same += 1
+                assert theirs.score == pytest.approx(ours.score, rel=1e-5)
+            elif tree:  # best-first over the same probabilities: ties reorder, never change the score
+                assert theirs.score == pytest.approx(ours.score, rel=1e-5)
+                assert len(theirs.token_ids) == len(ours.token_ids)
+            else:
+                _tie_explained(trie, trie.own_matches(seq_id), theirs)
+    # trees take every equal-probability sibling, so on 12 tokens they tie far more than chains
+    assert same > (0.3 if tree else 0.8) * calls, f"only {same} of {calls} drafts identical"
+
+
+def test_native_first_hit_equals_the_trie_up_to_ties():
+    rng = random.Random(8)
+    native, trie = _random_trees(24, rng, n_seqs=200, vocab=5)
+    same = calls = 0
+    for _ in range(2000):
+        context = [rng.randrange(5) for _ in range(rng.randrange(1, 12))]
+        min_prob = rng.choice([0.0, 0.1, 0.3])
+        ours = trie.speculate_first_hit(context, 7, 4, 16, min_prob)
+        theirs = native.speculate_first_hit(context, 7, 4, 16, min_prob)
+        calls += 1
+        if theirs.token_ids == ours.token_ids:
+            same += 1
+            if ours.token_ids:
+                assert theirs.match_len == ours.match_len
+        else:  # the same hit (match length), a different path only through equal counts
+            assert theirs.match_len == ours.match_len
+            _tie_explained(trie, trie.match(context), theirs)
+    assert same > 0.8 * calls, f"only {same} of {calls} drafts identical"
+
+
+def test_native_tree_pickles_as_its_log_and_drafts_identically_after_loading():
+    import pickle
+    rng = random.Random(2)
+    native = native_or_skip(12)
+    live = []
+    for seq_id in range(400):  # many removals: the log is compacted (the tree rebuilt) several times
+        native.extend(seq_id, [rng.randrange(6) for _ in range(rng.randrange(1, 30))])
+        live.append(seq_id)
+        if len(live) > 30:
+            native.remove(live.pop(rng.randrange(len(live))))
+    copy = pickle.loads(pickle.dumps(native))
+    assert len(copy) == len(native) and all(copy.sequence(s) == native.sequence(s) for s in live)
+    assert len(copy._log_tok) == len(native._log_tok) <= 2 * native._live_tokens + 4096 + 1
+    for step in range(300):  # identical later drafts (ties included) through more extends and removes
+        seq_id = rng.choice(live)
+        new = [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+        for t in (native, copy):
+            t.extend(seq_id, new)
+        if step % 20 == 0:
+            victim = live.pop(rng.randrange(len(live)))
+            native.remove(victim)
+            copy.remove(victim)
+        context = [rng.randrange(6) for _ in range(14)]
+        for tree in (False, True):
+            assert copy.speculate(context, 8, 1.0, 0.0, 0.1, tree) == native.speculate(context, 8, 1.0, 0.0, 0.1, tree)
+        assert copy.speculate_seq(seq_id, 8) == native.speculate_seq(seq_id, 8)
+        assert copy.speculate_first_hit(context, 7, 4, 16, 0.1) == native.speculate_first_hit(context, 7, 4, 16, 0.1)
+
+
+def test_backend_choice_never_changes_a_rule(monkeypatch):
+    from methods import suffix_tree
+    from methods.tree_cache import TreeCacheDrafter
+    with pytest.raises(ValueError, match="backend must be one of"):
+        suffix_tree.resolve_backend("cuda")
+    assert suffix_tree.resolve_backend("python") == "python"
+    # longest match has no native form: auto keeps Python, native refuses
+    assert TreeCacheDrafter(match="longest", backend="auto").backend == "python"
+    with pytest.raises(ValueError, match="no native implementation"):
+        TreeCacheDrafter(match="longest", backend="native")
+    monkeypatch.setattr(suffix_tree, "native_available", lambda: False)  # a machine without the package
+    assert suffix_tree.resolve_backend("auto") == "python"
+    with pytest.raises(ImportError, match="native"):
+        suffix_tree.resolve_backend("native")
+    monkeypatch.setattr(suffix_tree, "native_available", lambda: True)
+    assert suffix_tree.resolve_backend("auto", supported=True) == "native"
+    assert suffix_tree.resolve_backend("auto", supported=False) == "python"
+
+
+def test_native_suffix_global_drafts_equal_the_released_cache_exactly():
+    """The native-backed drafter makes the released calls: identical drafts, ties included."""
+    from methods.base import Rollout, RolloutKey
+    from methods.suffix_global import SuffixGlobalDrafter
+    depth, cap, k = 12, 40, 8
+    native_or_skip(depth)
+    released = ReleasedCache(depth, cap)
+    ours = SuffixGlobalDrafter(max_depth=depth, max_cached_responses=cap, max_spec_tokens=k, backend="native")
+    ours.begin_step(0)
+    rng = random.Random(6)
+    phrases = [[rng.randrange(6) for _ in range(5)] for _ in range(4)]
+    running = {}
+    for req in range(300):
+        key = RolloutKey(f"q{req % 7}", req)
+        prompt = [rng.randrange(6) for _ in range(rng.randrange(1, 6))]
+        released.start(req, prompt)
+        ours.start(key, prompt)
+        running[req] = (key, prompt, [], rng.randrange(5, 40))
+        for r, (rk, rprompt, output, length) in list(running.items()):
+            theirs_own, theirs_global = released.speculate(r, k)
+            theirs = theirs_global if theirs_global.score > theirs_own.score else theirs_own
+            assert ours.propose(rk, list(output), k).token_ids == theirs.token_ids
+            new = rng.choice(phrases)[:rng.randrange(1, 4)][:length - len(output)]
+            output += new
+            released.add_active_response(r, new)
+            ours.observe(rk, new)
+            if len(output) >= length or len(running) > 6:
+                released.stop(r)
+                ours.finish(rk, Rollout(rk, 0, rprompt, list(output), [0.0] * len(output), "length"))
+                del running[r]
+    assert ours.stats()["evictions"] > 0 and ours.stats()["global_wins"] > 0
