@@ -64,7 +64,7 @@ from methods.prefix_reuse import PrefixReuseDrafter
 from methods.suffix_global import SuffixGlobalDrafter
 from methods.tree_cache import TreeCacheDrafter
 
-from .drafting import DraftCounters, next_draft, report_live
+from .drafting import DraftCounters, next_draft, report_live, settle
 from .errors import UserError
 from .stats import rollout_metrics, safe_div
 from .trace import iter_jsonl
@@ -298,7 +298,8 @@ def _run_step(drafter, step: int, rows: list[_Live], prompts: Mapping[str, list[
                 emitted, accepted = _accept(r.rec, r.pos, d)
             else:  # an empty recorded rollout: nothing to emit
                 emitted, accepted = [], 0
-            r.counters.record(len(d), accepted)
+            # the engine's cut and counters (bench.drafting.settle); the room is the recorded length
+            emitted = emitted[:settle(r.counters, len(d), emitted, accepted, (), r.pos, len(r.rec)).n]
             r.pos += len(emitted)
             r.out += emitted
             drafter.observe(r.key, emitted)

@@ -23,7 +23,7 @@ import torch
 
 from methods.base import Draft, Drafter, Rollout
 
-from ..drafting import DraftCounters, next_draft, report_live
+from ..drafting import DraftCounters, next_draft, report_live, settle
 from ..sampling import SamplingConfig
 from ..spec_policy import SpecPolicy
 from ..verify import VerifyConfig, check_rule, verify_nodes
@@ -294,13 +294,11 @@ class TorchRefEngine:
                 moves.append((b, [root_slot + p for p in v.path], [root_slot + i for i in range(len(v.path))]))
             row.cached = root_slot + len(v.path)
             emitted, lps, mgs = v.emitted, v.logprobs, v.margins
-            room = sampling.max_new_tokens - len(row.output)
-            cut = next((i + 1 for i, t in enumerate(emitted) if t in stops), len(emitted))
-            if cut < len(emitted) or len(emitted) > room:
-                n = min(cut, room)
-                emitted, lps, mgs = emitted[:n], lps[:n], mgs[:n]
-            accepted[b] = min(v.num_accepted, len(emitted))
-            row.counters.record(len(d), accepted[b])
+            kept = settle(row.counters, len(d), emitted, v.num_accepted, stops, len(row.output),
+                          sampling.max_new_tokens)  # the stop/room cut and the counters (bench.drafting)
+            if kept.n < len(emitted):
+                emitted, lps, mgs = emitted[:kept.n], lps[:kept.n], mgs[:kept.n]
+            accepted[b] = kept.accepted
             self.policy.record(len(d), accepted[b])
             if not row.output:
                 row.first_t = now
@@ -312,10 +310,7 @@ class TorchRefEngine:
             t_d = time.perf_counter()
             drafter.observe(row.request.key, emitted)
             drafter_s += time.perf_counter() - t_d
-            if emitted[-1] in stops:
-                row.finish_reason = "stop"
-            elif len(row.output) >= sampling.max_new_tokens:
-                row.finish_reason = "length"
+            row.finish_reason = kept.finish_reason
         if moves:
             width = max(len(s) for _, s, _ in moves)
             src = torch.tensor([[cache.trash_slot] * width] * len(rows), dtype=torch.int64)
