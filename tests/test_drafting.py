@@ -11,9 +11,10 @@ import torch
 
 from bench.drafting import (DraftCounters, cut_emitted, drafter_mode, scoring_logprobs, settle,
                             verify_from_logprobs)
+from bench.engines import vllm_proposer as vp
 from bench.sampling import SamplingConfig
 from bench.verify import VerifyConfig, verify_batch
-from methods.base import Draft, NullDrafter
+from methods.base import Draft, NullDrafter, RolloutKey
 from methods.baseline import Baseline
 from methods.hybrid import HybridDrafter
 from methods.prefix_reuse import PrefixReuseDrafter
@@ -112,3 +113,33 @@ def test_top1_scoring_decides_as_the_greedy_verifier():
         emitted, accepted, lps = verify_from_logprobs("top1", draft, trial, 1.0, top1=top1)
         assert (emitted, accepted) == (v.emitted, v.num_accepted)
         assert lps == pytest.approx(v.logprobs, abs=1e-9)
+
+
+class _Echo(NullDrafter):
+    """Proposes a fixed continuation after any output."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def propose(self, key, output, budget):
+        return Draft(self.tokens[len(output):len(output) + budget])
+
+
+def test_the_vllm_proposer_cuts_and_counts_through_settle():
+    """The proposer's per-step accounting (no vLLM needed) is the shared one: one pass per step,
+    accepted draft tokens counted, cut at the stop token and at max_new_tokens."""
+    key = RolloutKey("p", 0)
+    session = vp.Session(_Echo([3, 4, 5, 6, 7, 8, 9, 2, 1]), stops={2}, k=3)
+    state = vp.RowState(key, [], max_new_tokens=16)
+    assert session.step(state, [3]) == [4, 5, 6]  # the prefill's token, then a draft of 3
+    assert session.step(state, [4, 5, 0]) == [7, 8, 9]  # 2 accepted, then vLLM's own sample
+    assert session.step(state, [7, 8, 2, 1]) == []  # 2 accepted, then the stop token: what follows is cut
+    assert state.done and state.output == [3, 4, 5, 0, 7, 8, 2]
+    c = state.counters
+    assert (c.num_forward_passes, c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (3, 2, 6, 4)
+    assert c.num_accepted_tokens_per_pos == [2, 2]
+
+    short = vp.RowState(key, [], max_new_tokens=3)
+    assert session.step(short, [3]) == [4]  # budget: 3 - 1 - 1 (room for the bonus)
+    assert session.step(short, [4, 5]) == [] and short.done and short.output == [3, 4, 5]
+    assert (short.counters.num_forward_passes, short.counters.num_accepted_tokens) == (2, 1)

@@ -1,5 +1,7 @@
 """The vLLM engine on the tiny trace: every method runs, greedy exactness, distribution tests at
-temperature 1 (and that they catch a biased rule), checkpoint swaps, logprobs against transformers.
+temperature 1 (and that they catch a biased rule), checkpoint swaps, logprobs against transformers;
+the baseline on an LLM with no speculative config, scoring that asks for what the rule needs,
+SPEC-RL's scoring pass counted as on torch_ref, run-ahead admission.
 
     bash .ci/engine-vllm.sh        (builds the vLLM environment, then: python -m pytest -m vllm tests/test_engine_vllm.py)
 """
@@ -23,6 +25,7 @@ from bench.trace import Trace  # noqa: E402
 from bench.verify import VerifyConfig  # noqa: E402
 from methods.base import Draft, NullDrafter  # noqa: E402
 from methods.baseline import Baseline  # noqa: E402
+from bench.replay import RunAheadQueue, run_ahead_requests  # noqa: E402
 
 METHODS = sorted(p.stem for p in (Path(CONF_DIR) / "method").glob("*.yaml"))
 EXACT = [m for m in METHODS if OmegaConf.load(Path(CONF_DIR) / "method" / f"{m}.yaml").verify.rule != "ratio"]
@@ -214,3 +217,130 @@ def test_checkpoint_vllm_cannot_load_names_the_path(tmp_path):
             eng.load(path)
     finally:
         eng.close()
+
+
+# ---------------------------------------------------------------- engine configurations
+
+def spec_config(llm):
+    return llm.llm_engine.vllm_config.speculative_config
+
+
+def test_the_baseline_runs_on_an_llm_with_no_speculative_config(engine, trace):
+    sampling = SamplingConfig(max_new_tokens=trace.sampling.max_new_tokens)
+    assert spec_config(engine.llm_for(Baseline())) is None
+    for name, want in (("baseline", "plain"), ("prefix_reuse", "plain"), ("tree_cache", "speculative")):
+        make, verify = method(name)
+        drafter = make()
+        assert engine.engine_for(drafter) == want, name
+        replay(engine, trace, drafter, verify, sampling, WARM[-1:], 2)
+        assert engine.last_engine == want, name
+        assert (spec_config(engine.llm_for(drafter)) is None) == (want == "plain"), name
+    assert spec_config(engine.llm).method == "custom_class"
+
+
+def test_with_vllm_ngram_the_baseline_does_not_speculate(trace):
+    """The old setup (one LLM with the speculative config for every method) made the baseline
+    speculate with vLLM's ngram drafter; now only the methods do, unless plain_engine_for=[]."""
+    eng = make_engine("vllm", speculative_method="ngram", num_speculative_tokens=4, gpu_memory_utilization=0.05)
+    try:
+        eng.load(trace.checkpoint(0))
+        sampling = SamplingConfig(temperature=0, max_new_tokens=trace.sampling.max_new_tokens)
+        requests = step_requests(trace, 0, 4)
+        eng.rollout(requests, sampling, Baseline(), VerifyConfig())
+        assert eng.last_engine == "plain" and not eng.last_spec_metrics.get("num_drafts")
+        make, verify = method("tree_cache")
+        eng.rollout(requests, sampling, make(), verify)
+        assert eng.last_engine == "speculative" and eng.last_spec_metrics.get("num_drafts", 0) > 0
+        eng.plain_engine_for = []  # every method on the speculative LLM (labelled so in the engine settings)
+        eng.rollout(requests, sampling, Baseline(), VerifyConfig())
+        assert eng.last_engine == "speculative" and eng.last_spec_metrics.get("num_drafts", 0) > 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("name,temperature,want", [("prefix_reuse", 1.0, "draft"), ("prefix_reuse_exact", 1.0, "full"),
+                                                   ("prefix_reuse_exact", 0.0, "top1")])
+def test_scoring_asks_for_what_the_rule_needs_and_is_labelled(engine, trace, name, temperature, want):
+    make, verify = method(name)
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=trace.sampling.max_new_tokens)
+    rollouts = replay(engine, trace, make(), verify, sampling, WARM, 2)
+    scoring = engine.last_scoring
+    assert scoring["scoring_logprobs"] == want and scoring["engine"] == "plain"
+    assert scoring["scoring_passes"] == sum(r.num_drafts for r in rollouts) > 0  # prefix reuse: one draft each
+    assert scoring["scoring_tokens"] == sum(len(r.prompt_token_ids) + r.num_draft_tokens for r in rollouts
+                                            if r.num_drafts)
+
+
+def _prefix_pair(engine, trace, name, sampling):
+    """The same prefix-reuse cache (filled on vLLM at the first WARM steps) replayed at the last
+    WARM step on torch_ref and on vLLM: (torch_ref rollouts, vLLM rollouts)."""
+    import copy
+    from bench.engines.torch_ref import TorchRefEngine
+    make, verify = method(name)
+    cache = make()
+    replay(engine, trace, cache, verify, sampling, WARM[:-1], 4)
+    step = WARM[-1]
+    requests = step_requests(trace, step, 4)
+    ref = TorchRefEngine(dtype="float32")
+    ref.load(trace.checkpoint(step))
+    expected_cache, got_cache = copy.deepcopy(cache), copy.deepcopy(cache)
+    expected_cache.begin_step(step)
+    expected = ref.rollout(requests, sampling, expected_cache, verify)
+    engine.load(trace.checkpoint(step))
+    got_cache.begin_step(step)
+    got = engine.rollout(requests, sampling, got_cache, verify)
+    assert sum(r.num_draft_tokens for r in got) > 0
+    return expected, got
+
+
+def test_draft_only_ratio_scoring_accepts_what_torch_ref_accepts(engine, trace):
+    """SPEC-RL's ratio rule from the draft tokens' logprobs alone: the acceptance test uses the
+    suite's coupled uniforms, so the accepted prefix equals torch_ref's (near-ties aside)."""
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=trace.sampling.max_new_tokens)
+    expected, got = _prefix_pair(engine, trace, "prefix_reuse", sampling)
+    assert engine.last_scoring["scoring_logprobs"] == "draft"
+    same = sum(g.num_accepted_tokens == e.num_accepted_tokens and g.num_draft_tokens == e.num_draft_tokens
+               and g.token_ids[:g.num_accepted_tokens] == e.token_ids[:e.num_accepted_tokens]
+               for g, e in zip(got, expected))
+    assert same >= len(got) - 1, f"only {same}/{len(got)} accepted prefixes match torch_ref"
+    assert 0 < sum(r.num_accepted_tokens for r in got) < sum(r.num_draft_tokens for r in got)
+
+
+def test_prefix_reuse_passes_are_counted_as_on_torch_ref(engine, trace):
+    """The scoring request is one of the rollout's forward passes and yields the token after the
+    accepted prefix, as torch_ref's prefill does: same tokens, same counters."""
+    sampling = SamplingConfig(temperature=0, max_new_tokens=trace.sampling.max_new_tokens)
+    expected, got = _prefix_pair(engine, trace, "prefix_reuse_exact", sampling)
+    fields = lambda r: (r.token_ids, r.num_forward_passes, r.num_drafts, r.num_draft_tokens,  # noqa: E731
+                        r.num_accepted_tokens, r.num_accepted_tokens_per_pos)
+    same = sum(fields(g) == fields(e) for g, e in zip(got, expected))
+    assert same >= len(got) - 1, [(fields(g), fields(e)) for g, e in zip(got, expected) if fields(g) != fields(e)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_run_ahead_admission_counts_the_run_ahead_rows_in_flight(engine, trace, temperature):
+    """Run-ahead rows fill the batch up to its size, the ones already admitted included; they come
+    back after the trained rollouts, flagged, finished or aborted."""
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=trace.sampling.max_new_tokens)
+    make, verify = method("tree_cache_runahead")
+    drafter = make()
+    step, nxt = trace.step_numbers[0], trace.step_numbers[1]
+    engine.load(trace.checkpoint(step))
+    drafter.begin_step(step)
+    requests = step_requests(trace, step, 4)
+    pool = RunAheadQueue(run_ahead_requests(trace, step, nxt, 4))
+    calls = []
+
+    def source(free):
+        calls.append((free, engine.llm_for(drafter).llm_engine.get_num_unfinished_requests()))
+        return pool(free)
+
+    out = engine.rollout(requests, sampling, drafter, verify, run_ahead=source)
+    assert calls, "the batch shrank, so run-ahead rows should have been asked for"
+    assert all(free + in_flight <= len(requests) for free, in_flight in calls), calls
+    trained, ahead = out[:len(requests)], out[len(requests):]
+    assert [r.key for r in trained] == [q.key for q in requests] and not any(r.run_ahead for r in trained)
+    assert ahead and all(r.run_ahead and r.anticipates == nxt for r in ahead)
+    assert {r.key for r in ahead} <= {q.key for q in run_ahead_requests(trace, step, nxt, 4)}
+    assert all(r.finish_reason in ("stop", "length", "abort") for r in ahead)
+    assert all(len(r.logprobs) == len(r.token_ids) for r in ahead)

@@ -9,7 +9,8 @@ registers the runner and a :class:`Session` here before driving a batch, and nam
 itself, so row i of the call is request ``runner.input_batch.req_ids[i]`` (vLLM appends
 ``-<8 random chars>`` to the id it was given). The session maps that id to the rollout's key and
 replays the Drafter protocol: ``observe`` the tokens the step emitted (cut at a stop token and at
-max_new_tokens), then ``propose`` with the output so far; each call first reports the live rows
+max_new_tokens, and counted, by ``bench.drafting.settle``: the same cut and counters as every
+engine), then ``propose`` with the output so far; each call first reports the live rows
 (``bench.drafting.report_live``; output lengths count the step's new tokens before any cut).
 Drafts must be chains: a tree draft is
 cut to its first root-to-leaf path (a proposal only, so this stays lossless). vLLM verifies the
@@ -23,7 +24,7 @@ from typing import Any
 
 from methods.base import Draft, Drafter, RolloutKey
 
-from ..drafting import report_live
+from ..drafting import DraftCounters, report_live, settle
 
 
 @dataclass
@@ -35,11 +36,7 @@ class RowState:
     max_new_tokens: int
     last_draft: list[int] = field(default_factory=list)
     done: bool = False
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted: int = 0
-    per_pos: list[int] = field(default_factory=list)
-    steps: int = 0
+    counters: DraftCounters = field(default_factory=DraftCounters)  # one pass per step vLLM ran for it
 
 
 class Session:
@@ -62,25 +59,18 @@ class Session:
 
     def step(self, state: RowState, new: list[int]) -> list[int]:
         """Account for the tokens one step emitted, then draft the next ones."""
-        if state.done or not new:
+        if state.done or not new:  # a chunk of a prefill emits nothing
             return []
-        room = state.max_new_tokens - len(state.output)
-        cut = next((i + 1 for i, t in enumerate(new) if t in self.stops), len(new))
-        new = list(new[:max(0, min(cut, room))])
-        if state.last_draft:  # how much of the last draft this step accepted (the rest is the bonus)
-            acc = 0
-            while acc < min(len(state.last_draft), len(new) - 1) and new[acc] == state.last_draft[acc]:
-                acc += 1
-            state.accepted += acc
-            state.per_pos += [0] * max(0, acc - len(state.per_pos))
-            for i in range(acc):
-                state.per_pos[i] += 1
-            state.last_draft = []
-        state.steps += 1
+        draft, acc = state.last_draft, 0
+        while acc < min(len(draft), len(new) - 1) and new[acc] == draft[acc]:
+            acc += 1  # how much of the last draft this step accepted (the token after it is the bonus)
+        kept = settle(state.counters, len(draft), new, acc, self.stops, len(state.output), state.max_new_tokens)
+        new = list(new[:kept.n])
+        state.last_draft = []
         state.output += new
         if self.drafter is not None and new:
             self.drafter.observe(state.key, new)
-        if (new and new[-1] in self.stops) or len(state.output) >= state.max_new_tokens:
+        if kept.finish_reason:
             state.done = True
             return []
         if self.drafter is None:
@@ -89,10 +79,7 @@ class Session:
         if budget <= 0:
             return []
         draft = chain_of(self.drafter.propose(state.key, state.output, budget)).truncated(budget)
-        if draft.token_ids:
-            state.drafts += 1
-            state.draft_tokens += len(draft)
-            state.last_draft = list(draft.token_ids)
+        state.last_draft = list(draft.token_ids)  # counted when the next step verifies it
         return list(draft.token_ids)
 
 
