@@ -1,4 +1,6 @@
-"""The SGLang engine on the tiny trace: baseline, prefix reuse (both rules), exactness, checkpoints.
+"""The SGLang engine on the tiny trace: baseline, prefix reuse (both rules), exactness, checkpoints;
+the baseline on an engine with no speculative settings, scoring that asks for what the rule needs,
+SPEC-RL's scoring pass counted as on torch_ref.
 
     python -m pytest -m sglang tests/test_engine_sglang.py     (in the rig venv: bash .ci/engine-sglang.sh)
 
@@ -151,6 +153,23 @@ def test_bad_checkpoint_names_the_path(tmp_path):
         SGLangEngine().load(tmp_path / "nope")
 
 
+def test_baseline_and_prefix_reuse_run_on_an_engine_with_no_speculative_settings():
+    """With NGRAM set, tree methods get the NGRAM engine and the baseline and prefix reuse a plain
+    one (no engine is started here: the routing and the settings each engine gets)."""
+    from bench.engines.sglang import SGLangEngine
+    from methods.tree_cache import TreeCacheDrafter
+    eng = SGLangEngine(speculative_algorithm="NGRAM")
+    assert eng.engine_for(Baseline()) == eng.engine_for(PrefixReuseDrafter()) == "plain"
+    assert eng.engine_for(TreeCacheDrafter()) == "speculative"
+    assert "speculative_algorithm" not in eng.kwargs and eng.spec_kwargs["speculative_algorithm"] == "NGRAM"
+    assert eng.kwargs["mem_fraction_static"] == eng.spec_kwargs["mem_fraction_static"] == 0.4  # two engines share it
+    shared = SGLangEngine(speculative_algorithm="NGRAM", plain_engine_for=[])
+    assert shared.engine_for(Baseline()) == "speculative"
+    assert SGLangEngine().engine_for(Baseline()) == "plain" and SGLangEngine().spec_kwargs is None
+    with pytest.raises(ValueError, match="plain_engine_for"):
+        SGLangEngine(plain_engine_for=["tree"])
+
+
 # ---------------------------------------------------------------- on the engine
 
 @needs_sglang
@@ -239,6 +258,61 @@ def test_exact_draft_region_is_coupled_with_torch_ref(sgl, trace):
         k = min(g.num_accepted_tokens + 1, len(g.token_ids))
         same += g.token_ids[:k] == e.token_ids[:k] and g.num_accepted_tokens == e.num_accepted_tokens
     assert same >= len(got) - 1, f"only {same}/{len(got)} draft regions match torch_ref"
+
+
+def _ref_pair(sgl, trace, sampling, verify, draft_sampling=None):
+    """The same prefix cache (filled on SGLang under checkpoint 0) replayed at TARGET on torch_ref
+    and on SGLang: (torch_ref rollouts, SGLang rollouts, SGLang's last_scoring)."""
+    import copy
+    from bench.engines.torch_ref import TorchRefEngine
+    sgl.load(trace.checkpoint(0))
+    cache = PrefixReuseDrafter()
+    sgl.rollout(reqs(trace, TARGET, 4, as_step=0), draft_sampling or sampling, cache)
+    requests = reqs(trace, TARGET, 4)
+    ref = TorchRefEngine(dtype="float32")
+    ref.load(trace.checkpoint(TARGET))
+    expected = ref.rollout(requests, sampling, copy.deepcopy(cache), verify)
+    sgl.load(trace.checkpoint(TARGET))
+    got = sgl.rollout(requests, sampling, copy.deepcopy(cache), verify)
+    scoring = sgl.call("__getattribute__", "last_scoring")
+    sgl.load(trace.checkpoint(0))
+    assert sum(r.num_draft_tokens for r in got) > 0
+    return expected, got, scoring
+
+
+@needs_sglang
+def test_draft_only_ratio_scoring_accepts_what_torch_ref_accepts(sgl, trace):
+    """SPEC-RL's ratio rule at temperature 1 reads the draft tokens' logprobs only; its acceptance
+    test uses the suite's coupled uniforms, so the accepted prefix equals torch_ref's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=16)
+    expected, got, scoring = _ref_pair(sgl, trace, sampling, VerifyConfig("ratio", math.exp(0.5)))
+    assert scoring["scoring_logprobs"] == "draft" and scoring["engine"] == "plain"
+    assert scoring["scoring_passes"] == sum(r.num_drafts for r in got)
+    assert scoring["scoring_tokens"] == sum(len(r.prompt_token_ids) + r.num_draft_tokens for r in got if r.num_drafts)
+    same = sum(g.num_accepted_tokens == e.num_accepted_tokens and g.num_draft_tokens == e.num_draft_tokens
+               and g.token_ids[:g.num_accepted_tokens] == e.token_ids[:e.num_accepted_tokens]
+               for g, e in zip(got, expected))
+    assert same >= len(got) - 1, f"only {same}/{len(got)} accepted prefixes match torch_ref"
+    model = AutoModelForCausalLM.from_pretrained(str(trace.checkpoint(TARGET)), dtype=torch.float32).eval()
+    for r in got:
+        check_rollouts([r], [Request(r.key, r.prompt_token_ids, TARGET)], sampling)
+        assert r.logprobs == pytest.approx(reference_logprobs(model, r.prompt_token_ids, r.token_ids, 1.0), abs=1e-4)
+
+
+@needs_sglang
+def test_prefix_reuse_passes_are_counted_as_on_torch_ref(sgl, trace):
+    """Under greedy the scoring request (top-1 logprobs) is one forward pass that yields the token
+    after the accepted prefix, as torch_ref's prefill: same tokens, same counters."""
+    sampling = SamplingConfig(temperature=0, max_new_tokens=16)
+    expected, got, scoring = _ref_pair(sgl, trace, sampling, VerifyConfig("exact"),
+                                       draft_sampling=SamplingConfig(temperature=1.0, max_new_tokens=16))
+    assert scoring["scoring_logprobs"] == "top1"
+    fields = lambda r: (r.token_ids, r.num_forward_passes, r.num_drafts, r.num_draft_tokens,  # noqa: E731
+                        r.num_accepted_tokens, r.num_accepted_tokens_per_pos)
+    same = sum(fields(g) == fields(e) for g, e in zip(got, expected))
+    assert same >= len(got) - 1, [(fields(g), fields(e)) for g, e in zip(got, expected) if fields(g) != fields(e)]
 
 
 # ---------------------------------------------------------------- distribution tests at temperature 1

@@ -3,23 +3,34 @@
     python -m bench.cli engine=sglang trace=countdown_tiny 'method=[baseline,prefix_reuse,prefix_reuse_exact]'
     python -m pytest -m sglang tests/test_engine_sglang.py   (CPU: in the rig venv, rigs/sglang_cpu/)
 
-Three paths, chosen by the drafter:
+Three paths, chosen by the drafter (``bench.drafting.drafter_mode``), each on the engine
+configuration it needs: baseline and prefix reuse (``engine.plain_engine_for``, default both) on
+an ``sglang.Engine`` with NO speculative settings; tree methods on one with
+``speculative_algorithm=NGRAM`` (GPU only; with NGRAM set both engines run, each with
+``mem_fraction_static`` of the device, 0.4 when unset). ``last_engine`` names the one that served
+the last call.
 - baseline: ``engine.generate(input_ids=...)`` with return_logprob; SGLang samples. Each request
   carries its rollout key as ``sampling_seed``; SGLang honours it only with
   ``deterministic: true`` (enable_deterministic_inference, GPU attention backends), otherwise
   its sampler runs from ``random_seed``: reproducible in distribution, not per rollout.
 - prefix reuse (a drafter that proposes its whole draft at output length 0): one scoring request
-  over prompt + draft + one filler token, ``max_new_tokens=0``, ``top_logprobs_num=V`` and
-  ``logprob_start_len=len(prompt)-1`` (SGLang gives no logprob for the token AT the start index,
-  so starting at len(prompt) would lose the first draft token's). That is the policy's full
-  distribution at every draft position and, via the filler, at the bonus position; the rows go
-  through ``bench.verify`` (the one verifier, exact or ratio, with the suite's coupled uniforms)
-  and SGLang samples the rest of each unfinished row. Under ``exact`` this is lossless: the
-  draft region is exact rejection sampling (accept x with probability p(x), else a sample of p
-  without x), and even token-coupled with torch_ref; the continuation is SGLang's own sampling
-  from p. Approximate only in the last bits: prefill vs decode float error, and the top-p/top-k
-  boundary conventions of bench.sampling vs SGLang's sampler (ties, mass exactly at top_p).
-  Cost: V logprobs per draft position, fine for small vocabularies, heavy for 150k-token ones.
+  per drafted row over prompt + draft, ``logprob_start_len=len(prompt)-1`` (SGLang gives no
+  logprob for the token AT the start index, so starting at len(prompt) would lose the first draft
+  token's), asking for what the rule needs (``bench.drafting.scoring_logprobs``):
+  - ``ratio`` at temperature 1: the draft tokens' logprobs only (``input_token_logprobs``) and one
+    sampled token after the draft (``max_new_tokens=1``: the bonus of a fully accepted draft);
+    the token at the first rejection is sampled by the continuation (a plain sample of the
+    target, as the rule says);
+  - greedy: the top-1 at each draft position (``top_logprobs_num=1``) and the greedy token after;
+  - ``exact`` at temperature > 0 (and ratio at T != 1): the full distribution
+    (``top_logprobs_num=V``, ``max_new_tokens=0`` and one filler token for the position after
+    the draft), verified by ``bench.verify``: exact rejection sampling with the suite's coupled
+    uniforms, token-coupled with torch_ref in the draft region; approximate only in the last
+    bits (prefill vs decode float error, top-p/top-k boundary conventions of bench.sampling vs
+    SGLang's sampler). V logprobs per draft position: heavy for 150k-token vocabularies.
+  SGLang samples the rest of each unfinished row. The scoring request is one of the row's
+  forward passes (torch_ref verifies the same draft inside its prefill); its cost is labelled in
+  the rows' ``num_scoring_passes`` / ``num_scoring_tokens`` and per call in ``last_scoring``.
 - any other drafter: SGLang's own NGRAM speculation (GPU only), fed with every earlier rollout
   (prompt + output) through its external corpus. This is the engine-native APPROXIMATION of the
   tree methods: one global trie across prompts (not per prompt), SGLang's drafts and its tree
@@ -27,10 +38,12 @@ Three paths, chosen by the drafter:
   statistics stay meaningful, and the counters come from SGLang's per-request meta_info.
 ``run_ahead`` is not supported (SGLang owns its batch).
 
-Logprobs: SGLang's output logprobs are log_softmax(logits / T) (raw under greedy), as torch_ref
-returns them; its input-token logprobs are raw (T = 1), so the scoring path rescales them from
-the full distribution. Token times: offline generate returns whole rollouts, so a rollout's
-first/last token times are when its call returned.
+Cut and counters: every emitted token goes through ``bench.drafting.settle`` / ``cut_emitted``
+(the stop/room cut of every engine) into a ``DraftCounters``. Logprobs: SGLang's output logprobs
+are log_softmax(logits / T) (raw under greedy), as torch_ref returns them; its input-token
+logprobs are raw (T = 1), so the full scoring path rescales them from the whole distribution.
+Token times: offline generate returns whole rollouts, so a rollout's first/last token times are
+when its call returned.
 """
 from __future__ import annotations
 
@@ -44,9 +57,11 @@ import torch
 
 from methods.base import Draft, Drafter, Rollout
 
+from ..drafting import (DraftCounters, cut_emitted, drafter_mode, scoring_logprobs, settle,  # noqa: F401
+                        verify_from_logprobs)
 from ..sampling import SamplingConfig
 from ..errors import UserError
-from ..verify import VerifyConfig, verify_batch
+from ..verify import VerifyConfig, check_rule, verify_batch
 from .base import Request, RunAheadSource, request_key64
 from .checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
 
@@ -70,18 +85,6 @@ def import_sglang(device: str = "cpu"):
     return sglang
 
 
-def drafter_mode(drafter: Drafter) -> str:
-    """'baseline', 'prefix' (whole draft at output length 0) or 'tree' (drafts while decoding)."""
-    from methods.baseline import Baseline
-    from methods.base import NullDrafter
-    from methods.prefix_reuse import PrefixReuseDrafter
-    if isinstance(drafter, PrefixReuseDrafter):
-        return "prefix"
-    if type(drafter) in (Baseline, NullDrafter):
-        return "baseline"
-    return "tree"
-
-
 class SGLangEngine:
     """``sglang.Engine`` over one checkpoint at a time; weights swapped in place between steps."""
 
@@ -90,24 +93,35 @@ class SGLangEngine:
     def __init__(self, device: str = "cpu", dtype: str = "float32", attention_backend: str | None = None,
                  mem_fraction_static: float | None = None, random_seed: int = 0,
                  deterministic: bool = False, speculative_algorithm: str | None = None,
-                 speculative_num_draft_tokens: int = 8, ngram_external_sam_budget: int = 8,
+                 speculative_num_draft_tokens: int = 24, ngram_external_sam_budget: int = 8,
+                 plain_engine_for: list[str] | tuple[str, ...] = ("baseline", "prefix"),
                  log_level: str = "error", extra_args: dict | None = None):
         if speculative_algorithm not in (None, "NGRAM"):
             raise ValueError(f"engine.speculative_algorithm must be null or NGRAM, got {speculative_algorithm!r}")
+        plain_engine_for = list(plain_engine_for or [])
+        if any(m not in ("baseline", "prefix") for m in plain_engine_for):
+            raise ValueError(f"engine.plain_engine_for lists drafter modes from ['baseline', 'prefix'] (a method "
+                             f"that drafts while decoding needs NGRAM), got {plain_engine_for!r}")
         self.device, self.dtype = device, dtype
         self.kwargs = dict(device=device, dtype=dtype, random_seed=random_seed, log_level=log_level,
                            enable_deterministic_inference=deterministic, skip_tokenizer_init=True)
         if attention_backend:
             self.kwargs["attention_backend"] = attention_backend
-        if mem_fraction_static is not None:
-            self.kwargs["mem_fraction_static"] = mem_fraction_static
-        if speculative_algorithm == "NGRAM":
-            self.kwargs.update(speculative_algorithm="NGRAM",
-                               speculative_num_draft_tokens=speculative_num_draft_tokens,
-                               speculative_ngram_external_sam_budget=ngram_external_sam_budget)
+        two = speculative_algorithm == "NGRAM" and bool(plain_engine_for)  # a plain and an NGRAM engine
+        if mem_fraction_static is not None or two:
+            self.kwargs["mem_fraction_static"] = 0.4 if mem_fraction_static is None else mem_fraction_static
         self.kwargs.update(extra_args or {})
+        self.spec_kwargs = None  # the NGRAM engine's settings (None: no speculative engine)
+        if speculative_algorithm == "NGRAM":
+            self.spec_kwargs = dict(self.kwargs, speculative_algorithm="NGRAM",
+                                    speculative_num_draft_tokens=speculative_num_draft_tokens,
+                                    speculative_ngram_external_sam_budget=ngram_external_sam_budget)
         self.speculative = speculative_algorithm
-        self.engine = None
+        self.plain_engine_for = plain_engine_for
+        self.engine = None  # the engine with no speculative settings (None if every mode runs on NGRAM)
+        self.spec_engine = None  # the NGRAM engine
+        self.last_engine = ""  # "plain" or "speculative": the engine that served the last call
+        self.last_scoring: dict = {}
         self.info: CheckpointInfo | None = None
         self._arch_key: str | None = None
         self._history: list[list[int]] = []  # finished rollouts (prompt + output) for the NGRAM corpus
@@ -121,48 +135,65 @@ class SGLangEngine:
         info = inspect_checkpoint(Path(checkpoint))
         arch_key = json.dumps({k: v for k, v in info.config.to_dict().items()
                                if k not in ("_name_or_path", "transformers_version")}, sort_keys=True, default=str)
-        if self.engine is not None and arch_key == self._arch_key:
-            try:
-                res = self.engine.update_weights_from_disk(str(info.path))
-            except Exception as exc:
-                raise CheckpointError(f"{info.path}: SGLang could not load these weights: {exc}") from exc
-            ok, message = (res[0], res[1]) if isinstance(res, (tuple, list)) else (bool(res), "")
-            if not ok and "flush" in str(message).lower():
-                ok, message = self._flush_cache(), f"{message} (and flush_cache kept failing)"
-            if not ok:
-                raise CheckpointError(f"{info.path}: SGLang refused the weight update: {message}")
+        if (self.engine is not None or self.spec_engine is not None) and arch_key == self._arch_key:
+            for engine in (self.engine, self.spec_engine):
+                if engine is None:
+                    continue
+                try:
+                    res = engine.update_weights_from_disk(str(info.path))
+                except Exception as exc:
+                    raise CheckpointError(f"{info.path}: SGLang could not load these weights: {exc}") from exc
+                ok, message = (res[0], res[1]) if isinstance(res, (tuple, list)) else (bool(res), "")
+                if not ok and "flush" in str(message).lower():
+                    ok, message = self._flush_cache(engine), f"{message} (and flush_cache kept failing)"
+                if not ok:
+                    raise CheckpointError(f"{info.path}: SGLang refused the weight update: {message}")
         else:
             self.close()
             sglang = import_sglang(self.device)
-            try:
-                self.engine = sglang.Engine(model_path=str(info.path), **self.kwargs)
-            except Exception as exc:
-                raise CheckpointError(f"{info.path}: SGLang could not start on this checkpoint with the engine "
-                                      f"settings {self.kwargs}: {exc}") from exc
+            builds = [("spec_engine", self.spec_kwargs)] if self.spec_kwargs is not None else []
+            if self.spec_kwargs is None or self.plain_engine_for:
+                builds.insert(0, ("engine", self.kwargs))
+            for attr, kwargs in builds:  # both at the first load: no method's clock pays for a start
+                try:
+                    setattr(self, attr, sglang.Engine(model_path=str(info.path), **kwargs))
+                except Exception as exc:
+                    self.close()
+                    raise CheckpointError(f"{info.path}: SGLang could not start on this checkpoint with the "
+                                          f"engine settings {kwargs}: {exc}") from exc
             self._corpus_loaded = 0  # a new engine has no corpus yet
         self.info, self._arch_key = info, arch_key
 
-    def _flush_cache(self, tries: int = 100) -> bool:
+    def _flush_cache(self, engine, tries: int = 100) -> bool:
         """Flush the prefix cache (stale KV of the old weights); the scheduler refuses while it still
         retires the last call's requests, so retry briefly."""
         for _ in range(tries):
-            res = self.engine.flush_cache()
+            res = engine.flush_cache()
             if getattr(res, "success", res):
                 return True
             time.sleep(0.1)
         return False
 
     def close(self) -> None:
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        for attr in ("engine", "spec_engine"):
+            engine = getattr(self, attr)
+            if engine is not None:
+                engine.shutdown()
+                setattr(self, attr, None)
+
+    def engine_for(self, drafter: Drafter) -> str:
+        """'plain' (no speculative settings) or 'speculative' (NGRAM): the engine serving this drafter."""
+        if self.spec_kwargs is None or drafter_mode(drafter) in self.plain_engine_for:
+            return "plain"
+        return "speculative"
 
     # ------------------------------------------------------------------ rollouts
     def rollout(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
                 verify: VerifyConfig, run_ahead: RunAheadSource | None = None) -> list[Rollout]:
         """Every request's rollout; ``run_ahead`` is not supported (SGLang owns the batch)."""
-        if self.engine is None or self.info is None:
+        if (self.engine is None and self.spec_engine is None) or self.info is None:
             raise RuntimeError("SGLangEngine.rollout called before load(checkpoint)")
+        check_rule(verify, sampling)
         if not requests:
             return []
         for r in requests:
@@ -172,15 +203,18 @@ class SGLangEngine:
             raise ValueError(f"method {getattr(drafter, 'name', type(drafter).__name__)!r} drafts while decoding: on "
                              f"SGLang that runs as its NGRAM speculation (a GPU feature): set "
                              f"engine.speculative_algorithm=NGRAM, or use engine=torch_ref")
+        self.last_engine = self.engine_for(drafter)
+        engine = self.engine if self.last_engine == "plain" else self.spec_engine
         t0 = time.perf_counter()
         rows = [_Row(r, request_key64(sampling.seed, r)) for r in requests]
         for row in rows:
             drafter.start(row.request.key, row.request.prompt_token_ids)
+        scoring = None
         if mode == "prefix":
-            self._verify_prefix_drafts(rows, sampling, drafter, verify, t0)
+            scoring = self._verify_prefix_drafts(engine, rows, sampling, drafter, verify, t0)
         if mode == "tree":
-            self._feed_corpus()
-        self._continue(rows, sampling, drafter, t0)
+            self._feed_corpus(engine)
+        self._continue(engine, rows, sampling, drafter, t0)
         out = []
         for row in rows:
             rollout = row.to_rollout()
@@ -189,6 +223,9 @@ class SGLangEngine:
                 self._history.append(list(row.request.prompt_token_ids) + rollout.token_ids)
             out.append(rollout)
         self.last_iterations = max(r.num_forward_passes for r in out)
+        self.last_scoring = {"engine": self.last_engine, "scoring_logprobs": scoring,
+                             "scoring_passes": sum(r.counters.num_scoring_passes for r in rows),
+                             "scoring_tokens": sum(r.counters.num_scoring_tokens for r in rows)}
         return out
 
     def _check_prompt(self, r: Request, sampling: SamplingConfig) -> None:
@@ -208,9 +245,10 @@ class SGLangEngine:
     def _stops(self, sampling: SamplingConfig) -> set[int]:
         return set(self.info.eos_token_ids) | set(sampling.stop_token_ids)
 
-    def _verify_prefix_drafts(self, rows: list["_Row"], sampling: SamplingConfig, drafter: Drafter,
-                              verify: VerifyConfig, t0: float) -> None:
-        """Score prompt + draft + filler in one batch, verify with bench.verify, emit the verdicts."""
+    def _verify_prefix_drafts(self, engine, rows: list["_Row"], sampling: SamplingConfig, drafter: Drafter,
+                              verify: VerifyConfig, t0: float) -> str | None:
+        """Score every drafted row in one batch (logprobs as the rule needs, see the module
+        docstring), decide with the suite's rule, emit the verdicts; returns the scoring kind."""
         budget = sampling.max_new_tokens - 1
         drafts: list[Draft] = []
         for row in rows:
@@ -222,38 +260,74 @@ class SGLangEngine:
             drafts.append(d)
         scored = [(row, d) for row, d in zip(rows, drafts) if len(d)]
         if not scored:
-            return
-        logp = self._score_distributions([row.request.prompt_token_ids for row, _ in scored],
-                                         [d.token_ids for _, d in scored])
-        keys = torch.tensor([row.key64 for row, _ in scored], dtype=torch.int64)
-        verdicts = verify_batch(logp, [d for _, d in scored], keys, [0] * len(scored), sampling, verify)
+            return None
+        greedy = sampling.greedy or verify.rule == "greedy"
+        mode = scoring_logprobs(greedy, verify.rule, sampling.temperature)
+        prompts = [row.request.prompt_token_ids for row, _ in scored]
+        if mode == "full":
+            logp = self._score_distributions(prompts, [d.token_ids for _, d in scored], engine)
+            keys = torch.tensor([row.key64 for row, _ in scored], dtype=torch.int64)
+            verdicts = verify_batch(logp, [d for _, d in scored], keys, [0] * len(scored), sampling, verify)
+            results = [(v.emitted, v.num_accepted, v.logprobs) for v in verdicts]
+            fed = [len(p) + len(d) + 1 for p, (_, d) in zip(prompts, scored)]  # + the filler token
+        else:
+            results = self._score_draft_tokens(engine, scored, sampling, verify, mode)
+            fed = [len(p) + len(d) for p, (_, d) in zip(prompts, scored)]
         now = time.perf_counter() - t0
         stops = self._stops(sampling)
-        for (row, d), v in zip(scored, verdicts):
-            emitted, lps = v.emitted, v.logprobs
-            cut = next((i + 1 for i, t in enumerate(emitted) if t in stops), len(emitted))
-            n = min(cut, sampling.max_new_tokens)
-            emitted, lps = emitted[:n], lps[:n]
-            accepted = min(v.num_accepted, len(emitted))
-            row.drafts, row.draft_tokens, row.accepted = 1, len(d), accepted
-            row.per_pos = [1] * accepted
-            row.passes = 1
-            row.emit(emitted, lps, now)
-            drafter.observe(row.request.key, emitted)
-            if emitted[-1] in stops:
-                row.finish_reason = "stop"
-            elif len(row.output) >= sampling.max_new_tokens:
-                row.finish_reason = "length"
+        for (row, d), (emitted, accepted, lps), n_fed in zip(scored, results, fed):
+            row.counters.record_scoring(n_fed)
+            kept = settle(row.counters, len(d), emitted, accepted, stops, 0, sampling.max_new_tokens)
+            row.emit(emitted[:kept.n], lps[:kept.n], now)
+            if kept.n:
+                drafter.observe(row.request.key, emitted[:kept.n])
+            row.finish_reason = kept.finish_reason
+        return mode
 
-    def _score_distributions(self, prompts: list[list[int]], responses: list[list[int]]) -> torch.Tensor:
+    def _score_draft_tokens(self, engine, scored, sampling: SamplingConfig, verify: VerifyConfig, mode: str):
+        """``top1`` / ``draft`` scoring: prompt + draft with one generated token after it; returns
+        (emitted, accepted, logprobs) per row from ``bench.drafting.verify_from_logprobs``."""
+        inputs = [list(row.request.prompt_token_ids) + list(d.token_ids) for row, d in scored]
+        starts = [len(row.request.prompt_token_ids) - 1 for row, _ in scored]
+        if mode == "top1":
+            params = [{"max_new_tokens": 1, "temperature": 0.0} for _ in scored]
+        else:
+            params = [dict(self._params(row, sampling, 1), stop_token_ids=[]) for row, _ in scored]
+        extra = {"top_logprobs_num": 1} if mode == "top1" else {}
+        outs = engine.generate(input_ids=inputs, sampling_params=params, return_logprob=True,
+                               logprob_start_len=starts, **extra)
+        results = []
+        for (row, d), out in zip(scored, outs):
+            meta, k = out["meta_info"], len(d)
+            bonus = (int(out["output_ids"][0]), float(meta["output_token_logprobs"][0][0]))
+            if mode == "top1":
+                tops = input_top_logprobs(meta, len(row.request.prompt_token_ids) - 1,
+                                          len(row.request.prompt_token_ids), k)
+                top1 = [(int(t[0][1]), float(t[0][0])) for t in tops] + [bonus]
+                results.append(verify_from_logprobs(mode, d, row.key64, verify.lenience, top1=top1))
+            else:
+                got = (meta.get("input_token_logprobs") or [])[1:1 + k]  # entry 0 is the last prompt token's (None)
+                # SGLang 0.5.23 reports the id of the vocabulary's last token as 0 ("clip padded hash
+                # values from image tokens": x < vocab_size - 1); its logprob is that token's all the same
+                last = self.info.vocab_size - 1
+                if len(got) != k or any(g[0] is None or int(g[1]) not in (x, 0 if x >= last else x)
+                                        for g, x in zip(got, d.token_ids)):
+                    raise RuntimeError(f"SGLang returned input_token_logprobs {got[:3]}... for draft {d.token_ids[:3]}...: "
+                                       f"expected the logprob of each draft token")
+                results.append(verify_from_logprobs(mode, d, row.key64, verify.lenience,
+                                                    draft_logprobs=[float(g[0]) for g in got], bonus=bonus))
+        return results
+
+    def _score_distributions(self, prompts: list[list[int]], responses: list[list[int]], engine=None) -> torch.Tensor:
         """[B, K, V] float64 raw log-softmax (temperature 1) of the policy at output positions
         0..len(response) of each row (the last one via a filler token); K = 1 + longest response,
         padding rows hold a uniform distribution."""
+        engine = engine if engine is not None else self.engine if self.engine is not None else self.spec_engine
         vocab = self.info.vocab_size
         inputs = [list(p) + list(r) + [r[-1] if r else p[-1]] for p, r in zip(prompts, responses)]
         starts = [len(p) - 1 for p in prompts]
-        outs = self.engine.generate(input_ids=inputs, sampling_params=[{"max_new_tokens": 0} for _ in inputs],
-                                    return_logprob=True, logprob_start_len=starts, top_logprobs_num=vocab)
+        outs = engine.generate(input_ids=inputs, sampling_params=[{"max_new_tokens": 0} for _ in inputs],
+                               return_logprob=True, logprob_start_len=starts, top_logprobs_num=vocab)
         K = 1 + max(len(r) for r in responses)
         logp = torch.full((len(inputs), K, vocab), -math.log(vocab), dtype=torch.float64)
         for b, (p, r, out) in enumerate(zip(prompts, responses, outs)):
@@ -273,34 +347,38 @@ class SGLangEngine:
             logp = torch.log_softmax(logp / temperature, dim=-1)
         return [[float(logp[b, j, t]) for j, t in enumerate(r)] for b, r in enumerate(responses)]
 
-    def _continue(self, rows: list["_Row"], sampling: SamplingConfig, drafter: Drafter, t0: float) -> None:
+    def _continue(self, engine, rows: list["_Row"], sampling: SamplingConfig, drafter: Drafter, t0: float) -> None:
         """Let SGLang sample the rest of every unfinished row in one batched call."""
         live = [row for row in rows if not row.finish_reason]
         if not live:
             return
-        outs = self.engine.generate(
+        outs = engine.generate(
             input_ids=[list(row.request.prompt_token_ids) + row.output for row in live],
             sampling_params=[self._params(row, sampling, sampling.max_new_tokens - len(row.output)) for row in live],
             return_logprob=True)
         now = time.perf_counter() - t0
+        stops = self._stops(sampling)
         for row, out in zip(live, outs):
             meta = out["meta_info"]
             tokens = [int(t) for t in out["output_ids"]]
+            tokens = tokens[:cut_emitted(tokens, stops, sampling.max_new_tokens - len(row.output))]
             lps = [float(x[0]) for x in meta.get("output_token_logprobs", [])][:len(tokens)]
             row.emit(tokens, lps, now)  # offline generate returns whole rollouts: times are when it returned
             drafter.observe(row.request.key, tokens)
             reason = (meta.get("finish_reason") or {}).get("type", "length")
-            row.finish_reason = "stop" if reason == "stop" else "length"
+            row.finish_reason = "stop" if reason == "stop" or (tokens and tokens[-1] in stops) else "length"
             verify_ct = int(meta.get("spec_verify_ct", 0) or 0)
-            row.passes += verify_ct or len(tokens)
             if verify_ct:  # NGRAM speculation: SGLang's own per-request counters
-                hist = meta.get("spec_correct_drafts_histogram") or []
-                row.drafts += verify_ct
-                row.draft_tokens += int(meta.get("spec_num_proposed_drafts", 0) or 0)
-                row.accepted += int(meta.get("spec_num_correct_drafts", 0) or 0)
-                row.per_pos = _per_pos_from_histogram(hist, row.per_pos)
+                row.counters.add(DraftCounters(
+                    num_forward_passes=verify_ct, num_drafts=verify_ct,
+                    num_draft_tokens=int(meta.get("spec_num_proposed_drafts", 0) or 0),
+                    num_accepted_tokens=int(meta.get("spec_num_correct_drafts", 0) or 0),
+                    num_accepted_tokens_per_pos=_per_pos_from_histogram(meta.get("spec_correct_drafts_histogram") or [],
+                                                                         [])))
+            else:  # plain decoding: one pass per token
+                row.counters.record_plain(len(tokens))
 
-    def _feed_corpus(self) -> None:
+    def _feed_corpus(self, engine) -> None:
         """Send rollouts finished since the last call to SGLang's NGRAM external corpus (global)."""
         new = self._history[self._corpus_loaded:]
         if not new:
@@ -309,9 +387,9 @@ class SGLangEngine:
         from sglang.srt.speculative.cpp_ngram.external_corpus import SEPARATOR_TOKEN
         chunks = [seq if i == 0 else [SEPARATOR_TOKEN] + seq for i, seq in enumerate(new)]
         req = AddExternalCorpusReqInput(corpus_id=f"specrollout-{self._corpus_loaded}", token_chunks=chunks)
-        tm = self.engine.tokenizer_manager
+        tm = engine.tokenizer_manager
         tm.auto_create_handle_loop()
-        results = self.engine.loop.run_until_complete(tm.add_external_corpus_communicator(req))
+        results = engine.loop.run_until_complete(tm.add_external_corpus_communicator(req))
         bad = [r.message for r in results if not r.success]
         if bad:
             raise RuntimeError(f"SGLang refused the NGRAM external corpus: {bad[0]}")
@@ -355,8 +433,7 @@ class _Row:
         self.request, self.key64 = request, key64
         self.output: list[int] = []
         self.logprobs: list[float] = []
-        self.per_pos: list[int] = []
-        self.drafts = self.draft_tokens = self.accepted = self.passes = 0
+        self.counters = DraftCounters()
         self.first_t = self.last_t = 0.0
         self.finish_reason = ""
 
@@ -373,7 +450,5 @@ class _Row:
         r = self.request
         return Rollout(key=r.key, step=r.step, prompt_token_ids=list(r.prompt_token_ids), token_ids=self.output,
                        logprobs=self.logprobs, finish_reason=self.finish_reason or "length",
-                       num_drafts=self.drafts, num_draft_tokens=self.draft_tokens,
-                       num_accepted_tokens=self.accepted, num_accepted_tokens_per_pos=self.per_pos,
-                       num_forward_passes=self.passes, first_token_time=self.first_t,
+                       **self.counters.as_dict(), first_token_time=self.first_t,
                        last_token_time=self.last_t, run_ahead=r.run_ahead)
