@@ -475,8 +475,9 @@ def resolve_backend(backend: str, supported: bool = True, what: str = "this draf
     if not supported:
         raise ValueError(f"{what} has no native implementation of its rule: use backend python (or auto)")
     if not native_available():
-        raise ImportError("backend native needs the native suffix tree: pip install -e '.[native]' "
-                          "(see .ci/backend-native-suffix.sh)")
+        raise ImportError("backend native needs arctic-inference's suffix tree: pip install -e '.[native]', then "
+                          "pip install --no-build-isolation --no-deps arctic-inference==0.3.0 "
+                          "(.ci/backend-native-suffix.sh)")
     return "native"
 
 

@@ -627,3 +627,27 @@ def test_native_and_python_backends_draft_alike(name):
             native.finish(key, rollout(key, t, step))
             python.finish(key, rollout(key, t, step))
     assert same >= (0.7 if name in ("das", "tree_cache_tree") else 0.95) * calls, f"only {same} of {calls} identical"
+
+
+def test_native_tree_methods_are_token_identical_to_baseline(tmp_path):
+    """Every tree method on the native backend (match: best where the default rule is longest)
+    emits the baseline's tokens in float64 on the tiny trace, and drafts."""
+    _native_or_skip()
+    from bench.cli import CONF_DIR, run
+    from bench.results import load_run
+    from hydra import compose, initialize_config_dir
+    from tests.test_replay import outputs
+    tree = ["tree_cache", "tree_cache_tree", "seer", "hybrid", "das", "suffix_global"]
+    overrides = [f"method.{m}.drafter.backend=native" for m in tree]
+    overrides += [f"method.{m}.drafter.match=best" for m in ("tree_cache", "tree_cache_tree", "seer", "hybrid")]
+    with initialize_config_dir(CONF_DIR, version_base="1.3"):
+        cfg = compose("bench", overrides=["trace=countdown_tiny", "progress=false", "plots=false",
+                                          "method=[" + ",".join(["baseline", *tree]) + "]", *overrides,
+                                          "engine.dtype=float64", "max_steps=4", f"results_root={tmp_path}"])
+    run_dir = run(cfg)
+    base = outputs(run_dir, "baseline")
+    assert base
+    for m in tree:
+        assert outputs(run_dir, m) == base, f"{m} on the native backend is not token-identical to the baseline"
+    steps = load_run(run_dir)[3]
+    assert steps.groupby("method")["num_accepted_tokens"].sum().drop("baseline").min() > 0
