@@ -3,6 +3,7 @@
     python -m bench.benchmarks engine-vs-hf   # torch_ref vs transformers generate, batch 1 and 32
     python -m bench.benchmarks oracle         # oracle-drafter speedup, budgets 4/8/16, 256 tokens
     python -m bench.benchmarks suffix-tree    # suffix trie append / speculate cost per token
+    python -m bench.benchmarks suffix-tree --live-rows 256   # drafter ms per iteration, 256 rows x 4k tokens, python vs native
     python -m bench.benchmarks drafter-cost   # drafter time as a share of rollout time, default trace
     python -m bench.benchmarks near-ties      # CDF shift, batched/tree vs one-token forward, per dtype
     python -m bench.benchmarks identity       # bf16 identity rate of every exact method, near-ties
@@ -151,11 +152,13 @@ class TimedDrafter:
         return timed
 
 
-def drafter_cost(trace_name: str = "countdown", steps: int = 12) -> list[dict]:
+def drafter_cost(trace_name: str = "countdown", steps: int = 12, backend: str | None = None,
+                 match: str | None = None) -> list[dict]:
     """Replays the first ``steps`` steps with every exact method and reports the share of the
     rollout wall time spent in the drafter (the harness must not be drafter-bound), with the
     tokens per forward pass (output tokens / each rollout's passes, DESIGN.md section 5) and the
-    batch's forward passes (engine iterations)."""
+    batch's forward passes (engine iterations). ``backend`` / ``match`` override those knobs of
+    the methods that have them (the suffix-tree backend, the match rule)."""
     from pathlib import Path as _P
     from omegaconf import OmegaConf
     import hydra.utils
@@ -171,6 +174,9 @@ def drafter_cost(trace_name: str = "countdown", steps: int = 12) -> list[dict]:
         mcfg = OmegaConf.load(path)
         if mcfg.verify.rule != "exact" or mcfg.get("run_ahead"):
             continue
+        for knob, value in (("backend", backend), ("match", match)):
+            if value is not None and knob in mcfg.drafter:
+                mcfg.drafter[knob] = value
         drafter = TimedDrafter(hydra.utils.instantiate(mcfg.drafter))
         wall, tokens, passes, iterations = 0.0, 0, 0, 0
         for step in trace.step_numbers[:steps]:
@@ -182,7 +188,8 @@ def drafter_cost(trace_name: str = "countdown", steps: int = 12) -> list[dict]:
             tokens += sum(len(r.token_ids) for r in out if not r.run_ahead)
             passes += sum(r.num_forward_passes for r in out if not r.run_ahead)
             iterations += eng.last_iterations
-        rows.append({"method": path.stem, "tokens_per_step": tokens / passes, "batch_passes": iterations,
+        rows.append({"method": path.stem, "backend": getattr(drafter.inner, "backend", "-"),
+                     "match": mcfg.drafter.get("match", "-"), "tokens_per_step": tokens / passes, "batch_passes": iterations,
                      "rollout_s": wall, "drafter_s": drafter.seconds, "drafter_share": drafter.seconds / wall,
                      "us_per_call": 1e6 * drafter.seconds / max(drafter.calls, 1)})
     return rows
@@ -232,6 +239,86 @@ def suffix_tree_cost(depths=(24, 64), prompts: int = 8, n: int = 8, length: int 
         rows.append({"backend": "python", "depth": depth, "append_us_per_token": 1e6 * t_obs / tokens,
                      "propose_us_per_call": 1e6 * t_prop / proposals, "nodes": drafter.stats().get("nodes")})
         rows += _native_cost(depth, prompts, n, length, visits, text)
+    return rows
+
+
+def drafter_scale(methods=("tree_cache", "das", "seer", "suffix_global"), backends=("python", "native"),
+                  prompts: int = 32, n: int = 8, history: int = 4, length: int = 4096, at: int = 1024,
+                  iters: int = 32, vocab: int = 151_936, match: str | None = "best") -> list[dict]:
+    """Per-iteration drafter cost at ``prompts`` x ``n`` live rows with ``length``-token rollouts.
+
+    Each prompt's tries first hold ``history`` earlier ``length``-token rollouts (their phrases
+    drawn from a pool per prompt, as a prompt's rollouts repeat each other); the live rows are
+    fast-forwarded to output length ``at``; then ``iters`` engine iterations are timed, each one
+    ``begin_iteration`` and, per row, one ``propose`` (budget 24) and one one-token ``observe``.
+    ``match`` overrides the match rule where a method has one (best: the rule both backends run).
+    """
+    import random
+    from omegaconf import OmegaConf
+    import hydra.utils
+    from methods.base import Rollout
+    conf = Path(__file__).resolve().parent.parent / "conf" / "method"
+    rows = []
+    for method in methods:
+        for backend in backends:
+            rng = random.Random(0)
+            pools = [[[rng.randrange(vocab) for _ in range(rng.randint(3, 12))] for _ in range(200)]
+                     for _ in range(prompts)]
+
+            def text(p: int) -> list[int]:
+                s: list[int] = []
+                while len(s) < length:
+                    s += pools[p][rng.randrange(200)] if rng.random() < 0.8 else [rng.randrange(vocab)]
+                return s[:length]
+
+            cfg = OmegaConf.load(conf / f"{method}.yaml").drafter
+            cfg.backend = backend
+            if match is not None and "match" in cfg:
+                cfg.match = match
+            drafter = hydra.utils.instantiate(cfg)
+            t0 = time.perf_counter()
+            for visit in range(history):
+                drafter.begin_step(visit)
+                keys = [RolloutKey(f"p{p}", visit) for p in range(prompts)]
+                for k in keys:
+                    out = text(int(k.prompt_id[1:]))
+                    drafter.start(k, [1, 2, 3])
+                    drafter.observe(k, out)
+                    drafter.finish(k, Rollout(k, visit, [1, 2, 3], out, [0.0] * length, "length"))
+            drafter.begin_step(history)
+            keys = [RolloutKey(f"p{p}", 1000 + i) for p in range(prompts) for i in range(n)]
+            outs = {k: text(int(k.prompt_id[1:])) for k in keys}
+            live = {k: outs[k][:at] for k in keys}
+            for k in keys:
+                drafter.start(k, [1, 2, 3])
+                drafter.observe(k, live[k])
+            build_s = time.perf_counter() - t0
+            hook = getattr(drafter, "begin_iteration", None)
+            t_prop = t_obs = t_iter = 0.0
+            drafted = 0
+            for it in range(iters):
+                report = [(k, len(live[k])) for k in keys]
+                t = time.perf_counter()
+                if hook is not None:
+                    hook(report)
+                t_iter += time.perf_counter() - t
+                for k in keys:
+                    out = live[k]
+                    t = time.perf_counter()
+                    drafted += len(drafter.propose(k, out, 24))
+                    t_prop += time.perf_counter() - t
+                    new = outs[k][len(out):len(out) + 1]
+                    out += new
+                    t = time.perf_counter()
+                    drafter.observe(k, new)
+                    t_obs += time.perf_counter() - t
+            calls = iters * len(keys)
+            rows.append({"method": method, "backend": drafter.backend, "match": cfg.get("match", "-"),
+                         "rows": len(keys), "history_tokens": prompts * history * length,
+                         "build_s": build_s, "ms_per_iteration": 1e3 * (t_prop + t_obs + t_iter) / iters,
+                         "propose_us": 1e6 * t_prop / calls, "observe_us": 1e6 * t_obs / calls,
+                         "begin_iteration_ms": 1e3 * t_iter / iters, "draft_tokens_per_row": drafted / calls})
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -575,6 +662,15 @@ def main(argv=None) -> None:
                                       "identity", "simulate-scale"])
     ap.add_argument("--trace", default="countdown", help="drafter-cost: the bundled trace to replay")
     ap.add_argument("--steps", type=int, default=12, help="drafter-cost: steps to replay")
+    ap.add_argument("--backend", default=None, choices=["auto", "python", "native"],
+                    help="drafter-cost, suffix-tree --live-rows: the tree drafters' backend knob (default: each config's)")
+    ap.add_argument("--match", default=None, choices=["longest", "best"],
+                    help="drafter-cost, suffix-tree --live-rows: the match rule of the methods that have one")
+    ap.add_argument("--live-rows", type=int, default=0,
+                    help="suffix-tree: instead, the per-iteration drafter cost at this many live rows (8 per "
+                         "prompt) with --length-token rollouts, 4 earlier rollouts per prompt, python vs native")
+    ap.add_argument("--length", type=int, default=4096, help="suffix-tree --live-rows: rollout length")
+    ap.add_argument("--iters", type=int, default=32, help="suffix-tree --live-rows: timed engine iterations")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for every contender")
     ap.add_argument("--vocab", type=int, default=2048, help="near-ties: policy vocabulary")
@@ -593,9 +689,15 @@ def main(argv=None) -> None:
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
     if args.which == "suffix-tree":
+        if args.live_rows:
+            backends = ("python", "native") if args.backend is None else (args.backend,)
+            return _print(drafter_scale(methods=args.methods.split(",") if args.methods != ",".join(SCALE_METHODS)
+                                        else ("tree_cache", "das", "seer", "suffix_global"),
+                                        backends=backends, prompts=max(1, args.live_rows // 8), length=args.length,
+                                        at=args.length // 4, iters=args.iters, match=args.match or "best"))
         return _print(suffix_tree_cost())
     if args.which == "drafter-cost":
-        return _print(drafter_cost(args.trace, args.steps))
+        return _print(drafter_cost(args.trace, args.steps, backend=args.backend, match=args.match))
     if args.which == "identity":
         return _print(exact_identity(dtype=args.dtype, device=args.device))
     if args.which == "simulate-scale":
