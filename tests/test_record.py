@@ -158,3 +158,98 @@ def test_cli_refuses_to_overwrite(tiny_trace):
 
     with pytest.raises(SystemExit, match="already holds a trace"):
         main(["--out", str(tiny_trace), "--tiny"])
+
+
+# ---------------------------------------------------------------- the long-tailed reasoning trace
+
+def test_search_transcripts_vary_in_length_and_score():
+    import random
+
+    from bench.record import search_task as st
+    problems = st.make_problems(40, seed=3)
+    assert problems == st.make_problems(40, seed=3) and len(set(problems)) == 40
+    assert {len(p.numbers) for p in problems} == {3, 4}
+    rng = random.Random(0)
+    lines, rewards = [], []
+    for p in problems:
+        assert p.target in st.reachable(p.numbers) and p.target not in p.numbers
+        for _ in range(3):
+            text, solved = st.solve_transcript(p, rng, max_lines=58)
+            lines.append(text.count("\n") + 1)
+            assert text.endswith(st.GIVE_UP) != solved
+            rewards.append(st.reward(p, text))
+            assert rewards[-1] == (1.0 if solved else 0.0)  # the solver's answers are right
+    assert max(lines) >= 3 * sorted(lines)[len(lines) // 2]  # a tail: same problems, random search orders
+    P = Problem((3, 5, 7), 15)
+    for answer, expected in [("answer 3+5=8, 8+7=15", 1.0), ("answer 5*3=15", 1.0),
+                             ("answer 3+5=8, 8+8=16", 0.1),    # 8 used twice
+                             ("answer 5*5=25, 25-7=18", 0.1),  # 5 used twice, wrong value
+                             ("answer 3+5=9, 9+7=16", 0.1),    # wrong arithmetic
+                             ("answer 3+5", 0.0), ("3+5=8\n8+7=15 vs 15 yes", 0.0), ("", 0.0)]:
+        assert st.reward(P, "7+3=10 (5 10)\nback\n" + answer) == expected, answer
+
+
+def test_bpe_tokenizer_is_trained_on_the_task_text(tmp_path):
+    import random
+
+    from transformers import AutoTokenizer
+
+    from bench.record import search_task as st
+    from bench.record.bpe_tokenizer import train_tokenizer
+    texts = st.corpus(st.make_problems(100, seed=1), seed=0)
+    tok = train_tokenizer(texts, vocab_size=384)
+    assert tok.get_vocab() == train_tokenizer(texts, vocab_size=384).get_vocab()  # deterministic
+    tok.save_pretrained(str(tmp_path / "tok"))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    assert 100 <= len(tok) <= 384 and (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    p = st.make_problems(1, seed=9)[0]
+    text = st.sft_example(p, random.Random(1))
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) < 0.7 * len(text)  # chunks, not characters
+    assert tok.decode(ids) == text
+    assert tok(p.prompt)["input_ids"][0] == tok.bos_token_id
+
+
+@pytest.fixture(scope="session")
+def search_trace():
+    from bench.record import ensure_trace
+    return ensure_trace("countdown-search-tiny", tiny=True, progress=False)
+
+
+def test_tiny_search_trace_is_sparse_and_stores_the_tail_statistics(search_trace):
+    trace = Trace.load(search_trace)
+    rec = trace.manifest["recorder"]
+    assert trace.task == "countdown_search" and trace.is_sparse
+    assert trace.all_step_numbers == list(range(rec["steps"]))
+    assert trace.step_numbers == [s for s in range(rec["steps"]) if (rec["steps"] - 1 - s) % rec["checkpoint_every"] == 0]
+    assert not (search_trace / ".policy").exists()  # the scratch policy of rollouts-only steps is gone
+    for s in trace.step_numbers:  # every checkpoint carries the trained BPE tokenizer
+        assert (trace.checkpoint(s) / "tokenizer.json").read_bytes() == (trace.tokenizer_dir / "tokenizer.json").read_bytes()
+    for s in trace.all_step_numbers:
+        df = trace.rollouts(s)
+        assert len(df) == len(trace.step(s).prompt_ids) * rec["n"]
+        for pid, ids, r in zip(df.prompt_id, df.token_ids, df.reward):
+            assert trace.reward(pid, ids) == r
+    stats = json.loads((search_trace / "stats.json").read_text())
+    for key in ("reward_mean", "length_mean", "length_p50", "length_p90", "length_p99", "length_max",
+                "repeat_frac", "ngram8_seen_frac", "checkpoint"):
+        assert key in stats["steps"][0], key
+    assert [r["checkpoint"] for r in stats["steps"]] == [s in trace.step_numbers for s in trace.all_step_numbers]
+    assert set(stats["lengths"]) == {"mean", "p50", "p90", "p99", "max", "p99_over_p50"}
+
+
+def test_baseline_replay_reproduces_the_search_recording(search_trace):
+    from bench.engines.base import Request
+    from bench.engines.torch_ref import TorchRefEngine
+    from bench.verify import VerifyConfig
+    from methods.base import RolloutKey
+    from methods.baseline import Baseline
+
+    trace = Trace.load(search_trace)
+    engine = TorchRefEngine(dtype="float32")
+    step = trace.step_numbers[-1]
+    engine.load(trace.checkpoint(step))
+    df = trace.rollouts(step)
+    requests = [Request(RolloutKey(p, int(i)), trace.prompts[p], step=step) for p, i in zip(df.prompt_id, df.sample_idx)]
+    out = engine.rollout(requests, trace.sampling.to_config(), Baseline(), VerifyConfig())
+    assert [o.token_ids for o in out] == [list(t) for t in df.token_ids]

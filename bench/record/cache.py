@@ -17,9 +17,10 @@ from pathlib import Path
 import yaml
 
 from ..trace import MANIFEST, publish_dir
-from .grpo import RECORDER_VERSION, RecordConfig
+from .grpo import RECORDER_VERSION, RecordConfig, SearchRecordConfig
 
-PRESETS = {"countdown": RecordConfig, "countdown-tiny": RecordConfig.tiny}
+PRESETS = {"countdown": RecordConfig, "countdown-tiny": RecordConfig.tiny,
+           "countdown-search": SearchRecordConfig, "countdown-search-tiny": SearchRecordConfig.tiny}
 
 
 def cache_root() -> Path:
@@ -27,9 +28,10 @@ def cache_root() -> Path:
 
 
 def _config_for(name: str, tiny: bool) -> RecordConfig:
+    base = SearchRecordConfig if name.startswith("countdown-search") else RecordConfig  # the reasoning trace
     if tiny:
-        return RecordConfig.tiny(name=name)
-    return PRESETS[name]() if name in PRESETS else RecordConfig(name=name)
+        return base.tiny(name=name)
+    return PRESETS[name]() if name in PRESETS else base(name=name)
 
 
 def _is_current(path: Path, cfg: RecordConfig) -> bool:
@@ -44,7 +46,8 @@ def _is_current(path: Path, cfg: RecordConfig) -> bool:
 def ensure_trace(name_or_dir: str | os.PathLike, tiny: bool = False, progress: bool = True) -> Path:
     """Return the path of a complete trace, recording it first if absent or stale.
 
-    ``name_or_dir`` is a cache name (``"countdown"``, ``"countdown-tiny"``, or any name: recorded
+    ``name_or_dir`` is a cache name (``"countdown"``, ``"countdown-tiny"``, ``"countdown-search"``
+    (the long-tailed reasoning trace), or any name: recorded
     with the default settings, or the tiny ones when ``tiny``) or a directory path. A directory
     that holds a trace is returned as it is; a cached trace recorded by an older recorder version
     or with other settings is recorded again and replaced.

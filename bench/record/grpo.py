@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -21,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..trace import TraceSampling, TraceWriter, checkpoint_relpath
+from . import search_task
 from . import task as countdown
 from .model import ModelConfig, build_model, save_checkpoint
 from .sft import SFTConfig, sft
@@ -58,6 +60,113 @@ class RecordConfig:
             raise ValueError(f"num_prompts {self.num_prompts} must be a multiple of prompts_per_step "
                              f"{self.prompts_per_step} (each epoch visits every prompt once)")
 
+    # The short task's recipe; SearchRecordConfig overrides these hooks.
+    task_module = countdown
+
+    def has_checkpoint(self, step: int) -> bool:
+        return True
+
+    def build_tokenizer(self):
+        return build_tokenizer()
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig()
+
+    def sft_config(self) -> SFTConfig:
+        return SFTConfig(steps=self.sft_steps, seed=self.seed)
+
+    def sft_batches(self, tokenizer):
+        return None  # the short task's own examples (bench.record.sft)
+
+
+@dataclass
+class SearchRecordConfig(RecordConfig):
+    """The long-tailed reasoning trace: Countdown solved by a written-out search
+    (``bench.record.search_task``), a BPE tokenizer trained on the task's text, max 512 new tokens.
+
+    Checkpoints are sparse (``checkpoint_every``, ``checkpoint_last``): every step's rollouts are
+    recorded, only some steps keep their policy, as in a real run; a replay runs those and feeds
+    the rollouts in between to the drafters.
+    """
+
+    name: str = "countdown-search"
+    steps: int = 20  # 5 visits of each prompt
+    num_prompts: int = 32
+    prompts_per_step: int = 8
+    max_new_tokens: int = 512
+    sft_steps: int = 300
+    sft_batch_size: int = 16
+    sft_lr: float = 3e-3
+    lr: float = 6e-4
+    grad_steps: int = 1
+    vocab_size: int = 384
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    intermediate_size: int = 256
+    four_share: float = 0.25  # share of four-number problems (the long searches)
+    min_paths: int = 2  # targets reached by at least 2 search paths
+    max_lines: int = 52  # the solver gives up after this many lines (about 500 tokens)
+    max_number: int = 9  # the given numbers are 1..max_number
+    ops: str = "+-*/"  # the operations the solver tries
+    micro_batch_tokens: int = 8192  # GRPO update micro-batches (padded tokens), sorted by length
+    checkpoint_every: int = 2
+    checkpoint_last: int = 2  # keep only this many checkpoints, counted back from the last step (0: all)
+
+    @classmethod
+    def tiny(cls, **kw) -> "SearchRecordConfig":
+        """A small search trace for tests: 4 steps, 4 prompts, n 4, max 96 new tokens."""
+        return replace(cls(name="countdown-search-tiny", steps=4, num_prompts=4, prompts_per_step=2, n=4,
+                           max_new_tokens=96, sft_steps=40, checkpoint_every=2), **kw)
+
+    task_module = search_task
+
+    def has_checkpoint(self, step: int) -> bool:
+        back = self.steps - 1 - step
+        if back % max(1, self.checkpoint_every):
+            return False
+        return not self.checkpoint_last or back // max(1, self.checkpoint_every) < self.checkpoint_last
+
+    def _sft_problems(self):
+        return search_task.make_problems(2000, seed=self.seed + 1_000_003, four_share=self.four_share,
+                                         min_paths=self.min_paths, max_number=self.max_number, ops=self.ops)
+
+    def build_tokenizer(self):
+        from .bpe_tokenizer import train_tokenizer
+        texts = search_task.corpus(self._sft_problems()[:600], seed=self.seed, max_lines=self.max_lines,
+                                   ops=self.ops)
+        return train_tokenizer(texts, self.vocab_size)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
+                           num_attention_heads=self.hidden_size // 64, head_dim=64,
+                           intermediate_size=self.intermediate_size,
+                           max_position_embeddings=self.max_new_tokens + 128)
+
+    def sft_config(self) -> SFTConfig:
+        return SFTConfig(steps=self.sft_steps, batch_size=self.sft_batch_size, lr=self.sft_lr, seed=self.seed,
+                         decay=True)
+
+    def sft_batches(self, tokenizer):
+        """Batches of fresh random-order searches, bucketed by length (four batches per pool) so
+        little of each batch is padding."""
+        problems, queue = self._sft_problems(), []
+        eos, cap = tokenizer.eos_token_id, self.max_new_tokens
+
+        def make_batch(rng: random.Random):
+            if not queue:
+                pool = []
+                for _ in range(4 * self.sft_batch_size):
+                    p = problems[rng.randrange(len(problems))]
+                    prompt = tokenizer(p.prompt)["input_ids"]
+                    answer = tokenizer(search_task.sft_example(p, rng, self.max_lines, self.ops),
+                                       add_special_tokens=False)["input_ids"][:cap - 1]
+                    pool.append((prompt + answer + [eos], len(prompt)))
+                pool.sort(key=lambda e: len(e[0]))
+                queue.extend(pool[i:i + self.sft_batch_size] for i in range(0, len(pool), self.sft_batch_size))
+                rng.shuffle(queue)
+            return queue.pop()
+        return make_batch
+
 
 def step_prompts(prompt_ids: list[str], cfg: RecordConfig, step: int) -> list[str]:
     """The prompts of a step: every epoch visits all prompts once, in a seeded shuffled order."""
@@ -78,6 +187,9 @@ def grpo_update(model, opt, batch: list[tuple[list[int], list[int], list[float],
     rows = [b for b in batch if b[3] != 0.0 and b[1]]
     if not rows:
         return 0.0
+    budget = getattr(cfg, "micro_batch_tokens", 0)
+    if budget:
+        return _micro_batched_update(model, opt, rows, cfg, budget)
     width = max(len(p) + len(r) for p, r, _, _ in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     attn = torch.zeros_like(ids)
@@ -110,6 +222,64 @@ def grpo_update(model, opt, batch: list[tuple[list[int], list[int], list[float],
     return loss_value
 
 
+def _tensors(rows):
+    width = max(len(p) + len(r) for p, r, _, _ in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    resp = torch.zeros((len(rows), width), dtype=torch.bool)
+    old = torch.zeros((len(rows), width))
+    for i, (p, r, lp, _) in enumerate(rows):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, :len(p) + len(r)] = 1
+        resp[i, len(p) - 1:len(p) + len(r) - 1] = True
+        old[i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(lp)
+    return ids, attn, resp, old, torch.tensor([a for _, _, _, a in rows])
+
+
+def _micro_batched_update(model, opt, rows, cfg, budget: int) -> float:
+    """``grpo_update`` over length-sorted micro-batches of at most ``budget`` padded tokens
+    (gradients accumulated, one optimizer step per gradient step): long rollouts, little padding."""
+    rows = sorted(rows, key=lambda b: len(b[0]) + len(b[1]))
+    chunks, cur = [], []
+    for b in rows:
+        width = len(b[0]) + len(b[1])  # the longest so far (sorted)
+        if cur and width * (len(cur) + 1) > budget:
+            chunks.append(cur)
+            cur = []
+        cur.append(b)
+    chunks.append(cur)
+    tensors = [_tensors(c) for c in chunks]
+    model.train()
+    loss_value = 0.0
+    for _ in range(cfg.grad_steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for (ids, attn, resp, old, adv), c in zip(tensors, chunks):
+            logits = model(input_ids=ids, attention_mask=attn).logits.float()
+            logp = torch.log_softmax(logits / max(cfg.temperature, 1e-6), -1)
+            new = logp.gather(-1, torch.roll(ids, -1, dims=1)[..., None])[..., 0]
+            ratio = torch.exp(torch.where(resp, new - old, torch.zeros_like(new)))
+            a = adv[:, None]
+            obj = torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a)
+            per_seq = (obj * resp).sum(1) / resp.sum(1).clamp(min=1)
+            loss = -per_seq.sum() / len(rows)
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_value = total
+    model.eval()
+    return loss_value
+
+
+def _quantile(xs: list[int], q: float) -> float:
+    return float(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))])
+
+
+def ngrams(ids, n: int = 8) -> list[tuple[int, ...]]:
+    return [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+
+
 def _p90(xs: list[int]) -> float:
     return float(sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))])
 
@@ -138,39 +308,46 @@ def _record(out: Path, cfg: RecordConfig, progress: bool) -> Path:
 
     hf_logging.disable_progress_bar()
     t_start = time.perf_counter()
-    tok = build_tokenizer()
+    task = cfg.task_module
+    tok = cfg.build_tokenizer()
     sampling = TraceSampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.n, cfg.seed)
-    writer = TraceWriter(out, cfg.name, sampling, vocab_size=len(tok), task=countdown.NAME,
+    writer = TraceWriter(out, cfg.name, sampling, vocab_size=len(tok), task=task.NAME,
                          extra={"recorder": {"version": RECORDER_VERSION, **asdict(cfg)}})
     tok.save_pretrained(str(out / writer.tokenizer))
-    problems = countdown.make_problems(cfg.num_prompts, seed=cfg.seed + 17)
+    if task is countdown:
+        problems = countdown.make_problems(cfg.num_prompts, seed=cfg.seed + 17)
+    else:
+        problems = task.make_problems(cfg.num_prompts, seed=cfg.seed + 17, four_share=cfg.four_share,
+                                      min_paths=cfg.min_paths, max_number=cfg.max_number, ops=cfg.ops)
     pids = [f"p{i:04d}" for i in range(len(problems))]
     prompt_tokens = {pid: tok(p.prompt)["input_ids"] for pid, p in zip(pids, problems)}
     by_pid = dict(zip(pids, problems))
     writer.write_prompts([{"prompt_id": pid, "token_ids": prompt_tokens[pid], "text": p.prompt,
                            **p.metadata()} for pid, p in by_pid.items()])
 
-    model = build_model(tok, ModelConfig(), seed=cfg.seed)
-    sft_losses = sft(model, tok, SFTConfig(steps=cfg.sft_steps, seed=cfg.seed), progress=progress)
+    model = build_model(tok, cfg.model_config(), seed=cfg.seed)
+    sft_losses = sft(model, tok, cfg.sft_config(), progress=progress, make_batch=cfg.sft_batches(tok))
     t_sft = time.perf_counter() - t_start
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     engine = TorchRefEngine(device="cpu", dtype="float32")
     sampling_cfg = sampling.to_config()
     last_visit: dict[str, list[list[int]]] = {}
+    seen_ngrams: dict[str, set] = {}  # prompt -> 8-grams of its rollouts at earlier steps
+    scratch = out / ".policy"  # the live policy of a step that keeps no checkpoint
     stats: list[dict] = []
     bar = tqdm(range(cfg.steps), desc="grpo", disable=not progress)
     for step in bar:
         t0 = time.perf_counter()
-        rel = checkpoint_relpath(step)
-        save_checkpoint(model, tok, out / rel)
-        engine.load(out / rel)
+        rel = checkpoint_relpath(step) if cfg.has_checkpoint(step) else None
+        save_checkpoint(model, tok, out / rel if rel else scratch)
+        engine.load(out / rel if rel else scratch)
         batch_pids = step_prompts(pids, cfg, step)
         requests = [Request(RolloutKey(pid, i), prompt_tokens[pid], step=step)
                     for pid in batch_pids for i in range(cfg.n)]
         rollouts = engine.rollout(requests, sampling_cfg, Baseline(), VerifyConfig())
         t1 = time.perf_counter()
-        rewards = [countdown.reward(by_pid[r.key.prompt_id],
-                                    tok.decode(response_ids(r.token_ids, tok.eos_token_id)))
+        rewards = [task.reward(by_pid[r.key.prompt_id],
+                               tok.decode(response_ids(r.token_ids, tok.eos_token_id)))
                    for r in rollouts]
         df = pd.DataFrame({"prompt_id": [r.key.prompt_id for r in rollouts],
                            "sample_idx": [r.key.sample_idx for r in rollouts],
@@ -184,6 +361,14 @@ def _record(out: Path, cfg: RecordConfig, progress: bool) -> Path:
                    for r in rollouts if r.key.prompt_id in last_visit]
         for pid in batch_pids:
             last_visit[pid] = [r.token_ids for r in rollouts if r.key.prompt_id == pid]
+        shares = []  # per rollout: share of its 8-grams already in its prompt's earlier rollouts
+        for r in rollouts:
+            grams = ngrams(r.token_ids)
+            if grams and r.key.prompt_id in seen_ngrams:
+                seen = seen_ngrams[r.key.prompt_id]
+                shares.append(sum(g in seen for g in grams) / len(grams))
+        for r in rollouts:
+            seen_ngrams.setdefault(r.key.prompt_id, set()).update(ngrams(r.token_ids))
         lengths = [len(r.token_ids) for r in rollouts]
         groups = [rewards[g:g + cfg.n] for g in range(0, len(rewards), cfg.n)]
         advantages = []
@@ -196,25 +381,43 @@ def _record(out: Path, cfg: RecordConfig, progress: bool) -> Path:
                                             for r, a in zip(rollouts, advantages)], cfg)
         row = {"step": step, "reward_mean": statistics.mean(rewards),
                "correct_frac": statistics.mean(x == countdown.REWARD_CORRECT for x in rewards),
-               "length_mean": statistics.mean(lengths), "length_p90": _p90(lengths),
+               "length_mean": statistics.mean(lengths), "length_p50": _quantile(lengths, 0.5),
+               "length_p90": _p90(lengths), "length_p99": _quantile(lengths, 0.99),
+               "length_max": max(lengths), "checkpoint": rel is not None,
+               "ngram8_seen_frac": statistics.mean(shares) if shares else None,
                "truncated_frac": statistics.mean(r.finish_reason == "length" for r in rollouts),
                "distinct_frac": statistics.mean(len({tuple(rollouts[g + i].token_ids) for i in range(cfg.n)})
                                                 / cfg.n for g in range(0, len(rollouts), cfg.n)),
                "repeat_frac": statistics.mean(repeats) if repeats else None,
-               "loss": loss, "rollout_s": t1 - t0, "step_s": time.perf_counter() - t0}
+               "loss": loss, "rollout_s": t1 - t0, "step_s": time.perf_counter() - t0,
+               "_lengths": lengths}
         stats.append(row)
+        row = {k: v for k, v in row.items() if k != "_lengths"}
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", len=f"{row['length_mean']:.1f}")
         if progress:
             tqdm.write(format_row(row))
+    if scratch.exists():
+        shutil.rmtree(scratch)
     summary = {"config": asdict(cfg), "sft_s": t_sft, "sft_final_loss": statistics.mean(sft_losses[-10:]),
-               "wall_s": time.perf_counter() - t_start, "steps": stats}
+               "wall_s": time.perf_counter() - t_start, "steps": stats,
+               "lengths": length_summary([n for row in stats for n in row.pop("_lengths")])}
     (out / "stats.json").write_text(json.dumps(summary, indent=1))
     engine.close()
     return out
 
 
+def length_summary(lengths: list[int]) -> dict:
+    """Response lengths of the whole trace: mean, p50, p90, p99, max, and p99 / p50."""
+    q = {f"p{int(f * 100)}": _quantile(lengths, f) for f in (0.5, 0.9, 0.99)}
+    return {"mean": statistics.mean(lengths), **q, "max": max(lengths), "p99_over_p50": q["p99"] / q["p50"]}
+
+
 def format_row(row: dict) -> str:
     rep = "  -  " if row["repeat_frac"] is None else f"{row['repeat_frac']:.3f}"
+    seen = row.get("ngram8_seen_frac")
+    tail = "" if "length_p50" not in row else (
+        f" p50 {row['length_p50']:.0f} p99 {row['length_p99']:.0f} max {row['length_max']}  8-gram seen "
+        + ("  -  " if seen is None else f"{seen:.3f}"))
     return (f"step {row['step']:3d}  reward {row['reward_mean']:.3f}  correct {row['correct_frac']:.3f}  "
-            f"len {row['length_mean']:5.2f} (p90 {row['length_p90']:.0f})  distinct {row['distinct_frac']:.2f}  "
+            f"len {row['length_mean']:5.2f} (p90 {row['length_p90']:.0f}){tail}  distinct {row['distinct_frac']:.2f}  "
             f"repeat {rep}  {row['step_s']:.1f}s")

@@ -30,6 +30,7 @@ class SFTConfig:
     warmup: int = 10
     num_problems: int = 2000
     seed: int = 0
+    decay: bool = False  # linear decay of the rate to 10% at the last step (after the warmup)
 
 
 def encode_example(tokenizer, problem: countdown.Problem, answer: str) -> tuple[list[int], int]:
@@ -52,21 +53,30 @@ def collate(examples: list[tuple[list[int], int]], pad_id: int):
     return input_ids, mask, labels
 
 
-def sft(model, tokenizer, cfg: SFTConfig, progress: bool = True) -> list[float]:
-    """Train ``model`` in place on random valid answers of seeded problems; returns the losses."""
-    problems = countdown.make_problems(cfg.num_problems, seed=cfg.seed + 1_000_003)
-    answers = [countdown.solutions(p) for p in problems]
+def sft(model, tokenizer, cfg: SFTConfig, progress: bool = True, make_batch=None) -> list[float]:
+    """Train ``model`` in place on random valid answers of seeded problems; returns the losses.
+
+    ``make_batch(rng) -> [(token ids, answer start), ...]`` replaces the short task's examples
+    (the search task's transcripts); by default a batch is random valid answers of the short task.
+    """
+    if make_batch is None:
+        problems = countdown.make_problems(cfg.num_problems, seed=cfg.seed + 1_000_003)
+        answers = [countdown.solutions(p) for p in problems]
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / cfg.warmup) if cfg.warmup else 1.0)
+        opt, lambda i: (min(1.0, (i + 1) / cfg.warmup) if cfg.warmup else 1.0)
+        * (1.0 - 0.9 * i / max(1, cfg.steps - 1) if cfg.decay else 1.0))
     model.train()
     losses = []
     bar = tqdm(range(cfg.steps), desc="sft", disable=not progress)
     for _ in bar:
-        picks = [rng.randrange(len(problems)) for _ in range(cfg.batch_size)]
-        batch = [encode_example(tokenizer, problems[i], rng.choice(answers[i])) for i in picks]
+        if make_batch is not None:
+            batch = make_batch(rng)
+        else:
+            picks = [rng.randrange(len(problems)) for _ in range(cfg.batch_size)]
+            batch = [encode_example(tokenizer, problems[i], rng.choice(answers[i])) for i in picks]
         input_ids, mask, labels = collate(batch, tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)

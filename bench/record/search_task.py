@@ -1,0 +1,231 @@
+"""Countdown solved by writing out a search (Stream-of-Search style): long, long-tailed responses.
+
+    python -m bench.record.search_task --seed 0 --count 3
+
+A problem is three or four numbers (1-9) and a reachable target; the prompt is ``"3 5 7 2>24:"``. A
+response is a depth-first search written out line by line: each line applies one operation to
+two of the numbers left and shows what remains, ``"3+5=8 (7 2 8)"``; with two numbers left every
+operation is checked against the target (``"8+14=22 vs 24 no"`` or ``"2*12=24 vs 24 yes"``); a state whose
+operations are exhausted is left with ``"back (7 2 8)"``, restating the state returned to (so the
+state a line works on is always a few lines up, as in Stream-of-Search's restated states). The solver that writes the warm-start
+transcripts tries the operations of every state in a random order, so the same problem yields
+searches of very different lengths (a geometric-like tail); past ``max_lines`` it writes
+``"give up"``. The last line is the successful path, ``"answer 3+5=8, 7-2=5, 8*5=40"``: 1.0 if
+every equation is right, uses only numbers still available (the given ones, then results, each
+once) and the last result is the target; 0.1 if it is well formed but wrong; 0 otherwise (no
+answer line, or one that does not parse).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import statistics
+from collections import Counter
+
+from . import task as countdown
+from .task import Problem
+
+NAME = "countdown_search"
+PRECEDENCE = countdown.PRECEDENCE
+ANSWER = "answer "
+GIVE_UP = "give up"
+
+
+def _wrap(expr: str, op: str, right: bool) -> str:
+    """Parenthesise a sub-expression (with its top operator) as an operand of ``op``."""
+    text, top = expr
+    if top is None:
+        return text
+    if PRECEDENCE[top] < PRECEDENCE[op] or (right and PRECEDENCE[top] == PRECEDENCE[op] and op in "-/"):
+        return f"({text})"
+    return text
+
+
+OPS = "+-*/"
+
+
+def _moves(state: list[tuple[int, tuple[str, str | None]]], ops: str = OPS):
+    """Every (i, j, op, a, b, value) combining two entries with one of ``ops``; subtraction and
+    division keep the larger first and only exact, nontrivial quotients; commutative duplicates
+    dropped."""
+    out = []
+    for i in range(len(state)):
+        for j in range(i + 1, len(state)):
+            a, b = state[i][0], state[j][0]
+            hi, lo = (i, j) if a >= b else (j, i)
+            x, y = state[hi][0], state[lo][0]
+            if "+" in ops:
+                out.append((i, j, "+", hi, lo, x + y))
+            if "*" in ops:
+                out.append((i, j, "*", hi, lo, x * y))
+            if "-" in ops and x != y:
+                out.append((i, j, "-", hi, lo, x - y))
+            if "/" in ops and y > 1 and x % y == 0:
+                out.append((i, j, "/", hi, lo, x // y))
+    return out
+
+
+def solve_transcript(problem: Problem, rng: random.Random, max_lines: int = 80,
+                     ops: str = OPS) -> tuple[str, bool]:
+    """A random-order depth-first search of ``problem`` written out; (text, solved)."""
+    lines: list[str] = []
+    start = [(x, (str(x), None)) for x in problem.numbers]
+    found: list[str] = []
+
+    path: list[str] = []
+
+    def dfs(state) -> bool:
+        moves = _moves(state, ops)
+        rng.shuffle(moves)
+        for i, j, op, hi, lo, value in moves:
+            if len(lines) >= max_lines:
+                return False
+            x, y = state[hi], state[lo]
+            expr = (_wrap(x[1], op, False) + op + _wrap(y[1], op, True), op)
+            rest = [s for k, s in enumerate(state) if k not in (i, j)] + [(value, expr)]
+            head = f"{x[0]}{op}{y[0]}={value}"
+            if len(rest) == 1:
+                if value == problem.target:
+                    lines.append(f"{head} vs {problem.target} yes")
+                    found.append(", ".join(path + [head]))
+                    return True
+                lines.append(f"{head} vs {problem.target} no")
+                continue
+            lines.append(head + " (" + " ".join(str(s[0]) for s in rest) + ")")
+            path.append(head)
+            if dfs(rest):
+                return True
+            path.pop()
+            if len(lines) >= max_lines:
+                return False
+            lines.append("back (" + " ".join(str(s[0]) for s in state) + ")")  # the state returned to
+        return False
+
+    solved = dfs(start)
+    if solved:
+        lines.append(f"{ANSWER}{found[0]}")
+    else:
+        lines.append(GIVE_UP)
+    return "\n".join(lines), solved
+
+
+def final_answer(text: str) -> str | None:
+    """The expression of the response's ``answer`` line (the last one), or None."""
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith(ANSWER):
+            return line[len(ANSWER):].strip()
+    return None
+
+
+def check_path(problem: Problem, answer: str) -> bool:
+    """Is ``"a+b=c, c*d=e, ..."`` a valid derivation of the target (raises ParseError if malformed)?"""
+    pool = Counter(problem.numbers)
+    value = None
+    for eq in answer.split(","):
+        eq = eq.strip()
+        m = _EQUATION.fullmatch(eq)
+        if not m:
+            raise countdown.ParseError(f"not an equation a?b=c: {eq!r}")
+        a, op, b, c = int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
+        exact = {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b and a % b == 0 else None}[op]
+        if exact != c:
+            return False
+        for operand in (a, b):
+            pool[operand] -= 1
+            if pool[operand] < 0:  # not available (any more)
+                return False
+        pool[c] += 1
+        value = c
+    return value == problem.target
+
+
+_EQUATION = re.compile(r"(\d+)([-+*/])(\d+)=(\d+)")
+
+
+def reward(problem: Problem, text: str) -> float:
+    answer = final_answer(text)
+    if answer is None:
+        return countdown.REWARD_MALFORMED
+    try:
+        return countdown.REWARD_CORRECT if check_path(problem, answer) else countdown.REWARD_WELL_FORMED
+    except countdown.ParseError:
+        return countdown.REWARD_MALFORMED
+
+
+def score(metadata: dict, text: str) -> float:
+    """The trace-level reward hook: problem metadata (numbers, target) and the decoded response."""
+    return reward(Problem.from_metadata(metadata), text)
+
+
+def reachable(numbers: tuple[int, ...], ops: str = OPS) -> Counter:
+    """Final value -> number of search paths (the solver's moves) that end with it."""
+    out: Counter = Counter()
+
+    def walk(state):
+        for i, j, op, hi, lo, value in _moves(state, ops):
+            rest = [s for k, s in enumerate(state) if k not in (i, j)] + [(value, None)]
+            if len(rest) == 1:
+                out[value] += 1
+            else:
+                walk(rest)
+
+    walk([(x, None) for x in numbers])
+    return out
+
+
+def make_problems(count: int, seed: int, four_share: float = 0.2, max_number: int = 9,
+                  min_paths: int = 2, max_target: int = 60, ops: str = OPS) -> list[Problem]:
+    """``count`` distinct problems, deterministic for ``seed``: three numbers (1-9), or four with
+    probability ``four_share`` (the long searches of the tail); the target is a value the
+    solver's moves reach by at least ``min_paths`` paths, in [1, max_target], not a given number."""
+    rng = random.Random(seed)
+    seen: set[Problem] = set()
+    problems: list[Problem] = []
+    while len(problems) < count:
+        k = 4 if rng.random() < four_share else 3
+        numbers = tuple(rng.randint(1, max_number) for _ in range(k))
+        paths = reachable(numbers, ops)
+        targets = sorted(v for v, c in paths.items() if c >= min_paths and 1 <= v <= max_target
+                         and v not in numbers)
+        if not targets:
+            continue
+        problem = Problem(numbers, rng.choice(targets))
+        if problem not in seen:
+            seen.add(problem)
+            problems.append(problem)
+    return problems
+
+
+def sft_example(problem: Problem, rng: random.Random, max_lines: int = 80, ops: str = OPS) -> str:
+    """One warm-start response for ``problem`` (a fresh random search order every call)."""
+    return solve_transcript(problem, rng, max_lines, ops)[0]
+
+
+def corpus(problems: list[Problem], seed: int, per_problem: int = 2, max_lines: int = 80,
+           ops: str = OPS) -> list[str]:
+    """Prompt + transcript texts (what the BPE tokenizer is trained on)."""
+    rng = random.Random(seed)
+    return [p.prompt + sft_example(p, rng, max_lines, ops) for p in problems for _ in range(per_problem)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--count", type=int, default=3)
+    ap.add_argument("--stats", type=int, default=0, help="line-count statistics over this many searches")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    problems = make_problems(max(args.count, args.stats and 200), args.seed)
+    for p in problems[:args.count]:
+        text, solved = solve_transcript(p, rng)
+        print(f"{p.prompt}\n{text}\n  -> solved {solved}, reward {reward(p, text)}\n")
+    if args.stats:
+        n = [solve_transcript(p, rng)[0].count("\n") + 1 for p in problems for _ in range(args.stats // 200 or 1)]
+        q = sorted(n)
+        print(f"lines: mean {statistics.mean(n):.1f} p50 {q[len(q) // 2]} p90 {q[int(.9 * len(q))]} "
+              f"p99 {q[int(.99 * len(q))]} max {q[-1]}; {Counter(x >= 81 for x in n)}")
+
+
+if __name__ == "__main__":
+    main()
