@@ -8,6 +8,7 @@
     python -m bench.benchmarks near-ties      # CDF shift, batched/tree vs one-token forward, per dtype
     python -m bench.benchmarks identity       # bf16 identity rate of every exact method, near-ties
     python -m bench.benchmarks simulate-scale # bench.simulate on 8 steps x 128 rollouts x 4,096 tokens: time, RSS
+    python -m bench.benchmarks policies       # speedup per method under each speculation policy (engine knob)
     python -m bench.benchmarks verify-scale   # the verifier at V=151,936, B=128, 4,096-token chains: memory, time vs the old
 
 Each figure is the median of interleaved repeats; a ratio is the median of back-to-back pairs
@@ -659,7 +660,7 @@ def main(argv=None) -> None:
         return verify_scale_main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["engine-vs-hf", "oracle", "suffix-tree", "drafter-cost", "near-ties",
-                                      "identity", "simulate-scale"])
+                                      "identity", "simulate-scale", "policies"])
     ap.add_argument("--trace", default="countdown", help="drafter-cost: the bundled trace to replay")
     ap.add_argument("--steps", type=int, default=12, help="drafter-cost: steps to replay")
     ap.add_argument("--backend", default=None, choices=["auto", "python", "native"],
@@ -688,6 +689,11 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
+    if args.which == "policies":
+        from .policy_bench import policy_speedups, summary
+        rows = policy_speedups(steps=args.steps if args.steps != 12 else 8)
+        _print(rows)
+        return print("\nspeedup over the baseline of the same run, by policy:\n" + summary(rows).to_string())
     if args.which == "suffix-tree":
         if args.live_rows:
             backends = ("python", "native") if args.backend is None else (args.backend,)
@@ -712,6 +718,7 @@ def main(argv=None) -> None:
             _print(engine_vs_hf(ckpt, repeats=args.repeats))
         else:
             _print(oracle_speedup(ckpt, repeats=args.repeats))
+
 
 
 # ---------------------------------------------------------------- verify-scale: the verifier at real size
