@@ -175,9 +175,14 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
                                 recorded.get((r.key.prompt_id, r.key.sample_idx)) == r.token_ids)
                     for r in rollouts]
             stats = drafter.stats() if hasattr(drafter, "stats") else {}
+            # which engine instance served the unit and what SPEC-RL's separate scoring pass cost
+            # (vLLM, SGLang); torch_ref verifies a first draft inside the prefill: no separate pass
+            scoring = {f"scoring_{k}" if not k.startswith("scoring") else k: v
+                       for k, v in (getattr(engine, "last_scoring", None) or
+                                    {"scoring_passes": 0, "scoring_tokens": 0}).items()}
             srow = step_row(rows, wall, getattr(engine, "last_iterations", max(r.num_forward_passes for r in rollouts)),
                             cache_entries=stats.get("cache_entries", stats.get("sequences")),
-                            cache_bytes=stats.get("cache_bytes"), drafter_stats=stats, **labels)
+                            cache_bytes=stats.get("cache_bytes"), drafter_stats=stats, **scoring, **labels)
             iterations = getattr(engine, "last_iteration_log", None)  # engines that log forward passes
             writer.write_unit(step, m.name, rows, srow, drafter_state=pickle.dumps(drafter, protocol=5),
                               iteration_rows=None if iterations is None else list(iterations))
