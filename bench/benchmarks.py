@@ -720,7 +720,6 @@ def main(argv=None) -> None:
             _print(oracle_speedup(ckpt, repeats=args.repeats))
 
 
-
 # ---------------------------------------------------------------- verify-scale: the verifier at real size
 
 class PeakTensorBytes:
