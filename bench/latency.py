@@ -168,6 +168,7 @@ def predict(run_dir: str | Path, table: LatencyTable | None = None, hardware: Ha
         forward = roofline_seconds(hardware, model, it["query_tokens"], it["context_sum"], it["rows"])
         label = f"roofline {hardware.name} x {model.name}"
     host_s = it[["drafter_s", "verify_s", "other_s"]].sum(axis=1) if host == "measured" else 0.0
+    label += "" if host == "measured" else ", forward passes only"
     it = it.assign(predicted_forward_s=forward, predicted_host_s=host_s,
                    predicted_s=forward + host_s)
     per = it.groupby(["step", "method"], as_index=False)[
@@ -225,7 +226,7 @@ def prediction_figure(summary: pd.DataFrame, out: Path) -> Path:
     methods = [m for m in summary["method"].drop_duplicates() if m != "baseline"]
     targets = list(summary["target"].drop_duplicates())
     measured = summary.drop_duplicates("method").set_index("method")["measured_speedup"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(methods) + 2), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(methods) + 2), 4.6))
     width = 0.8 / (1 + len(targets))
     x = np.arange(len(methods))
     ax.bar(x, [measured[m] for m in methods], width, label="measured (this machine)", color="0.3")
@@ -237,7 +238,7 @@ def prediction_figure(summary: pd.DataFrame, out: Path) -> Path:
     ax.set_xticks(x + width * len(targets) / 2, methods, rotation=30, ha="right")
     ax.set_ylabel("rollout speedup over baseline")
     ax.set_title("Measured here vs predicted on GPUs (predicted bars are not measurements)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=1 + len(targets), frameon=False)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=130)
