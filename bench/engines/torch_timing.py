@@ -3,7 +3,7 @@
     python -m bench.latency profile --out table.csv
 
 ``time_forward`` runs the engine's real path (slot KV cache, ragged block, additive 4D mask,
-explicit positions) on synthetic rows: ``rows`` rows with ``context`` cached tokens each feed one
+explicit positions, the output layer on the verified nodes only) on synthetic rows: ``rows`` rows with ``context`` cached tokens each feed one
 pending token plus a chain of ``query - 1`` draft tokens, for every query width over one prefill. ``cached_latency_table`` profiles a
 small grid once per model architecture, dtype, thread count and machine and keeps it on disk, so
 the ``throughput_optimal`` policy decides from the same table in every later run.
@@ -25,6 +25,7 @@ from .torch_ref import TorchRefEngine, _Block, _Row
 AUTO_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 AUTO_QUERY = (1, 2, 3, 5, 9, 17, 25)
 AUTO_CONTEXT = (32, 256)
+TIMING_VERSION = 2  # bump when what a timed pass covers changes: cached tables are profiled again
 
 
 def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], context: int,
@@ -57,12 +58,15 @@ def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], cont
 
 
 def _forward(engine: TorchRefEngine, rows: list[_Row], drafts: list[Draft], cache: SlotKVCache):
+    """What an iteration's forward costs in the engine: the block, the model's base and the output
+    layer on every real node (a draft of up to 32 nodes is read whole by the verifier's first window)."""
     block = _Block.build(rows, drafts, cache, engine.device, engine.dtype)
     cache.set_block(block.write_index, block.view_len)
-    out = engine.model(**{"input_ids": block.input_ids, "position_ids": block.position_ids,
-                          "attention_mask": block.mask, engine._cache_kw: cache, "use_cache": True,
-                          engine._keep_kw: block.keep})
-    return out.logits
+    logits_at, _ = engine._node_logits(block, cache)
+    lens = torch.tensor([len(d) + 1 for d in drafts])
+    row_idx = torch.arange(len(drafts)).repeat_interleave(lens)
+    node_idx = torch.cat([torch.arange(n) for n in lens.tolist()])
+    return logits_at(row_idx, node_idx)
 
 
 def cached_latency_table(engine: TorchRefEngine):
@@ -73,7 +77,7 @@ def cached_latency_table(engine: TorchRefEngine):
     from ..record.cache import cache_root
     from ..results import environment
     hw = environment()["hardware"]
-    ident = "|".join([engine._arch_key or "", str(engine.dtype), str(torch.get_num_threads()),
+    ident = "|".join([str(TIMING_VERSION), engine._arch_key or "", str(engine.dtype), str(torch.get_num_threads()),
                       str(hw.get("gpu") or hw.get("cpu")), engine.device.type, str(AUTO_ROWS),
                       str(AUTO_QUERY), str(AUTO_CONTEXT)])
     path = cache_root() / "latency" / f"torch_ref-{hashlib.sha1(ident.encode()).hexdigest()[:12]}.csv"
