@@ -182,9 +182,9 @@ def test_search_transcripts_vary_in_length_and_score():
     assert max(lines) >= 3 * sorted(lines)[len(lines) // 2]  # a tail: same problems, random search orders
     P = Problem((3, 5, 7), 15)
     for answer, expected in [("answer 3+5=8, 8+7=15", 1.0), ("answer 5*3=15", 1.0),
-                             ("answer 3+5=8, 8+8=16", 0.1),    # 8 used twice
-                             ("answer 5*5=25, 25-7=18", 0.1),  # 5 used twice, wrong value
-                             ("answer 3+5=9, 9+7=16", 0.1),    # wrong arithmetic
+                             ("answer 3+5=8, 8+8=16", 0.0),    # 8 used twice
+                             ("answer 5*5=25, 25-7=18", 0.0),  # 5 used twice, wrong value
+                             ("answer 3+5=9, 9+7=16", 0.0),    # wrong arithmetic
                              ("answer 3+5", 0.0), ("3+5=8\n8+7=15 vs 15 yes", 0.0), ("", 0.0)]:
         assert st.reward(P, "7+3=10 (5 10)\nback\n" + answer) == expected, answer
 

@@ -12,8 +12,9 @@ transcripts tries the operations of every state in a random order, so the same p
 searches of very different lengths (a geometric-like tail); past ``max_lines`` it writes
 ``"give up"``. The last line is the successful path, ``"answer 3+5=8, 7-2=5, 8*5=40"``: 1.0 if
 every equation is right, uses only numbers still available (the given ones, then results, each
-once) and the last result is the target; 0.1 if it is well formed but wrong; 0 otherwise (no
-answer line, or one that does not parse).
+once) and the last result is the target; 0 otherwise. There is no credit for a well-formed wrong
+answer (the short task's 0.1): with it, GRPO shortened the searches to quick well-formed wrong
+answers within 15 steps (lengths fell from a mean of 130 to 50 tokens, LOG.md 2026-12-01).
 """
 from __future__ import annotations
 
@@ -143,12 +144,15 @@ def check_path(problem: Problem, answer: str) -> bool:
 _EQUATION = re.compile(r"(\d+)([-+*/])(\d+)=(\d+)")
 
 
+REWARD_WRONG = 0.0  # a well-formed wrong answer earns nothing (see the module docstring)
+
+
 def reward(problem: Problem, text: str) -> float:
     answer = final_answer(text)
     if answer is None:
         return countdown.REWARD_MALFORMED
     try:
-        return countdown.REWARD_CORRECT if check_path(problem, answer) else countdown.REWARD_WELL_FORMED
+        return countdown.REWARD_CORRECT if check_path(problem, answer) else REWARD_WRONG
     except countdown.ParseError:
         return countdown.REWARD_MALFORMED
 
