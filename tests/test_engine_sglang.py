@@ -64,6 +64,9 @@ class EngineProxy:
     """The test side of the worker: same calls as the engine; drafters come back updated."""
 
     def __init__(self, **engine_kwargs):
+        # on CPU SGLang's default static memory is most of host RAM (a 16 GB scheduler was seen
+        # killed for memory on this 24 GB machine): a bounded share leaves room for the tests
+        engine_kwargs.setdefault("mem_fraction_static", 0.3)
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, engine_kwargs), daemon=False)
