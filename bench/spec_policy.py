@@ -83,5 +83,5 @@ class SpecPolicy:
         return ks[best]
 
     def record(self, draft_len: int, num_accepted: int) -> None:
-        if draft_len:
+        if draft_len and self.kind == "throughput_optimal":  # the only policy that reads acceptance
             self.tracker.record(draft_len, num_accepted)
