@@ -122,3 +122,27 @@ def tail_share(iterations: pd.DataFrame, by: Sequence[str] = ("run_id", "method"
     it = it.assign(tail_s=it["seconds"].where(it["live_rows"] <= max_rows, 0.0))
     g = it.groupby(keys, dropna=False, sort=True)[["tail_s", "seconds"]].sum()
     return g.assign(tail_share=safe_div(g["tail_s"], g["seconds"]))[["tail_share"]].reset_index()
+
+
+# Two-sided 95% quantiles of Student's t by degrees of freedom (larger df: the next row down).
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+        10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
+
+
+def t95(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom (conservative
+    between tabulated values; 1.96 past 120)."""
+    if df < 1:
+        return float("nan")
+    below = [d for d in _T95 if d <= df]
+    return _T95[max(below)] if df <= 120 else 1.960
+
+
+def mean_ci95(values: Iterable[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95% t-interval) of independent values (seeds); NaN width for one."""
+    x = np.asarray([v for v in values if v is not None and not np.isnan(v)], dtype=float)
+    if len(x) == 0:
+        return float("nan"), float("nan")
+    if len(x) == 1:
+        return float(x[0]), float("nan")
+    return float(x.mean()), float(t95(len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x)))
