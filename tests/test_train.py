@@ -22,6 +22,7 @@ from bench.train.warmstart import mean_kl
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["task=countdown-tiny", "progress=false", "report=false"]
+EXACT = ("tree_cache", "tree_cache_runahead", "prefix_reuse_exact")
 
 
 def _cfg(tmp_path: Path, *overrides: str):
@@ -38,12 +39,12 @@ def _train(tmp_path: Path, *overrides: str) -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def float64_runs(tmp_path_factory):
-    """The tiny task in float64 (6 GRPO steps, 4 prompts x 4 samples a step) with the baseline, two
-    exact methods (one a tree drafter with in-flight siblings, one SPEC-RL's draft verified
-    exactly) and SPEC-RL's lossy ratio rule."""
+    """The tiny task in float64 (6 GRPO steps, 4 prompts x 4 samples a step) with the baseline, three
+    exact methods (a tree drafter with in-flight siblings, the same with SRT's run-ahead, SPEC-RL's
+    draft verified exactly) and SPEC-RL's lossy ratio rule."""
     root = tmp_path_factory.mktemp("train64")
     runs = {m: _train(root, f"method={m}", "dtype=float64")
-            for m in ("baseline", "tree_cache", "prefix_reuse_exact", "prefix_reuse")}
+            for m in ("baseline", *EXACT, "prefix_reuse")}
     return root, runs
 
 
@@ -51,7 +52,8 @@ def test_exact_methods_train_bit_identical_weights_in_float64(float64_runs):
     _, runs = float64_runs
     base = runs["baseline"]
     assert len(base) == 6 and base["weights_sha1"].nunique() > 2  # the policy moves
-    for method in ("tree_cache", "prefix_reuse_exact"):
+    assert runs["tree_cache_runahead"]["run_ahead_rollouts"].sum() > 0  # run-ahead ran, and trained nothing
+    for method in EXACT:
         run = runs[method]
         assert run["num_accepted_tokens"].sum() > 0, f"{method} accepted no draft token: nothing was tested"
         assert list(run["weights_sha1"]) == list(base["weights_sha1"]), method
@@ -73,7 +75,7 @@ def test_the_ratio_rule_changes_what_is_learnt(float64_runs):
 def test_report_pairs_runs_with_their_baseline(float64_runs, tmp_path):
     root, _ = float64_runs
     df = load_runs(root)
-    exact = df[df["method"].isin(["baseline", "tree_cache", "prefix_reuse_exact"])]
+    exact = df[df["method"].isin(["baseline", *EXACT])]
     assert (exact["kl_from_baseline"] == 0).all() and exact["weights_identical"].all()
     lossy = df[df["method"] == "prefix_reuse"]
     assert (lossy["kl_from_baseline"] >= 0).all() and lossy["kl_from_baseline"].iloc[-1] > 0
@@ -85,7 +87,7 @@ def test_report_pairs_runs_with_their_baseline(float64_runs, tmp_path):
     last2 = df[(df["method"] == "prefix_reuse") & (df["step"] >= 4)]["reward_mean"].mean()
     assert summary.set_index("setting").filter(like="prefix_reuse@", axis=0)["final_reward"].iat[0] == \
         pytest.approx(last2)
-    assert len(steps) == 4 * 6
+    assert len(steps) == 5 * 6
     assert list((tmp_path / "figs").glob("closed_loop_*.png"))
     assert "prefix_reuse@l=1.649" in report_text(summary)
 

@@ -36,7 +36,7 @@ from ..record.grpo import RecordConfig, grpo_update, response_ids, step_prompts
 from ..replay import MethodSpec, RunAheadQueue
 from ..results import rollout_row, step_row
 from .store import TrainRunFolder
-from .warmstart import _sampling, ensure_warm_start, heldout_logprobs, load_heldout, problems_for
+from .warmstart import ensure_warm_start, heldout_logprobs, load_heldout, problems_for, sampling_for
 
 TASKS = {"countdown": RecordConfig, "countdown-tiny": RecordConfig.tiny}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -158,7 +158,7 @@ def _train(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels:
     by_pid = dict(zip(pids, problems))
     prompt_tokens = {pid: tok(p.prompt)["input_ids"] for pid, p in by_pid.items()}
     schedule = replace(rec, seed=cfg.seed)  # the prompt order follows the RL seed
-    sampling = _sampling(rec, seed=cfg.seed)
+    sampling = sampling_for(rec, seed=cfg.seed)
     engine = TorchRefEngine(device="cpu", dtype=cfg.dtype)
     scratch = folder.run_dir / ".policy"
     committed = 0

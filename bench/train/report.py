@@ -78,7 +78,8 @@ def summarize(df: pd.DataFrame, last: int = 4) -> pd.DataFrame:
         base_final = per_seed.get(BASELINE) if BASELINE in per_seed.index.get_level_values(0) else None
         times = sdf.groupby("setting")[["rollout_s", "train_s", "sync_s", "step_s"]].mean()
         for setting, g in sdf.groupby("setting", sort=True):
-            seeds = per_seed.loc[setting]
+            # runs still short of the last steps (in flight) count in no final reward
+            seeds = per_seed.loc[setting] if setting in per_seed.index.get_level_values(0) else pd.Series(dtype=float)
             reward, reward_ci = mean_ci95(seeds.to_numpy())
             diff, diff_ci = np.nan, np.nan
             if base_final is not None and setting != BASELINE:
@@ -87,7 +88,7 @@ def summarize(df: pd.DataFrame, last: int = 4) -> pd.DataFrame:
             last_rows = g[g["step"] == final_step]
             identical = g["weights_identical"].dropna()
             row = {"study": study, "setting": setting, "method": g["method"].iat[0], "rule": g["rule"].iat[0],
-                   "lenience": g["lenience"].iat[0], "seeds": int(g["seed"].nunique()),
+                   "lenience": g["lenience"].iat[0], "seeds": int(len(seeds)),
                    "steps": int(g.groupby("seed")["step"].count().min()),
                    "final_reward": reward, "final_reward_ci95": reward_ci,
                    "reward_diff_vs_baseline": diff, "reward_diff_ci95": diff_ci,
@@ -133,11 +134,13 @@ def figure(steps: pd.DataFrame, study: str, path: Path) -> Path:
         for i, setting in enumerate(settings):
             g = sdf[sdf["setting"] == setting].sort_values("step")
             color = "0.3" if setting == BASELINE else palette[i % 10]
-            ax_r.plot(g["step"], g["reward"], color=color, lw=1.8 if setting == BASELINE else 1.3,
-                      label=f"{setting} ({int(g['seeds'].max())} seeds)")
+            # the baseline dashed and on top: an exact method's curve lies exactly under it
+            base = setting == BASELINE
+            ax_r.plot(g["step"], g["reward"], color=color, lw=1.6 if base else 1.3, ls="--" if base else "-",
+                      zorder=5 if base else 3, label=f"{setting} ({int(g['seeds'].max())} seeds)")
             band = g["reward_ci95"].fillna(0)
             ax_r.fill_between(g["step"], g["reward"] - band, g["reward"] + band, color=color, alpha=0.15, lw=0)
-            ax_t.plot(g["step"], g["rollout_s"], color=color, lw=1.3, label=setting)
+            ax_t.plot(g["step"], g["rollout_s"], color=color, lw=1.3, ls="--" if base else "-", label=setting)
         ax_r.set(xlabel="GRPO step", ylabel="reward (mean over seeds, 95% band)", title="closed loop: reward")
         ax_t.set(xlabel="GRPO step", ylabel="rollout seconds per step (measured)", title="rollout time")
         ax_t.set_ylim(bottom=0)

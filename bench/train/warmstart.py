@@ -103,7 +103,7 @@ def _train_warm_start(out: Path, cfg: RecordConfig, heldout_prompts: int, heldou
         prompts = [tok(p.prompt)["input_ids"] for p in heldout]
         requests = [Request(RolloutKey(f"h{i:03d}", j), ids, step=0)
                     for i, ids in enumerate(prompts) for j in range(heldout_samples)]
-        sampling = _sampling(cfg, seed=cfg.seed + 7_777)
+        sampling = sampling_for(cfg, seed=cfg.seed + 7_777)
         rollouts = engine.rollout(requests, sampling, Baseline(), VerifyConfig())
         engine.close()
     finally:
@@ -115,7 +115,8 @@ def _train_warm_start(out: Path, cfg: RecordConfig, heldout_prompts: int, heldou
     (out / HELDOUT_FILE).write_text(json.dumps(data))
 
 
-def _sampling(cfg: RecordConfig, seed: int):
+def sampling_for(cfg: RecordConfig, seed: int):
+    """The task's sampling (temperature, top-p/k, max new tokens) under coupled-sampling seed ``seed``."""
     from ..sampling import SamplingConfig
     return SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_new_tokens=cfg.max_new_tokens, seed=seed)
