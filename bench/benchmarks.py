@@ -661,7 +661,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["engine-vs-hf", "oracle", "suffix-tree", "drafter-cost", "near-ties",
                                       "identity", "simulate-scale", "policies"])
-    ap.add_argument("--trace", default="countdown", help="drafter-cost: the bundled trace to replay")
+    ap.add_argument("--trace", default="countdown", help="drafter-cost, policies: the trace to replay")
+    ap.add_argument("--trace-path", default=None, help="policies: a trace folder to replay (trace.path)")
+    ap.add_argument("--batch-sizes", default="all,4",
+                    help="policies: live-batch caps, comma-separated ('all' = the whole step at once)")
+    ap.add_argument("--repeats-policies", type=int, default=1,
+                    help="policies: runs of every configuration, policies rotated (median speedup)")
     ap.add_argument("--steps", type=int, default=12, help="drafter-cost: steps to replay")
     ap.add_argument("--backend", default=None, choices=["auto", "python", "native"],
                     help="drafter-cost, suffix-tree --live-rows: the tree drafters' backend knob (default: each config's)")
@@ -691,7 +696,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     if args.which == "policies":
         from .policy_bench import policy_speedups, summary
-        rows = policy_speedups(steps=args.steps if args.steps != 12 else 8)
+        rows = policy_speedups(steps=args.steps if args.steps != 12 else 8, trace=args.trace,
+                               batch_sizes=tuple(args.batch_sizes.split(",")), trace_path=args.trace_path,
+                               repeats=args.repeats_policies)
         _print(rows)
         return print("\nspeedup over the baseline of the same run, by policy:\n" + summary(rows).to_string())
     if args.which == "suffix-tree":

@@ -20,6 +20,7 @@ the cost of sampling/verification on the device.
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
 from pathlib import Path
 from typing import Sequence
@@ -94,6 +95,35 @@ class LatencyTable:
                 index.append(lo + hi)
             out += weight * self.log_seconds[tuple(index)]
         return np.exp(out)
+
+
+    def query_seconds(self, rows: float, queries: Sequence[float], context: float) -> list[float]:
+        """``seconds`` for one (rows, context) and many query widths: the same numbers in a few
+        scalar steps (the speculation policy asks this twice per engine iteration)."""
+        if not hasattr(self, "_log_axes"):
+            self._log_axes = [np.log(a).tolist() for a in self.axes]
+            self._ls = self.log_seconds.tolist()
+        (rx, qx, cx), ls = self._log_axes, self._ls
+        r_lo, r_f = _bracket1(math.log(max(float(rows), 1.0)), rx)
+        c_lo, c_f = _bracket1(math.log(max(float(context), 1.0)), cx)
+        r_hi, c_hi = min(r_lo + 1, len(rx) - 1), min(c_lo + 1, len(cx) - 1)
+        a, b, c, d = ls[r_lo], ls[r_hi], (1 - r_f) * (1 - c_f), (1 - r_f) * c_f
+        e, f = r_f * (1 - c_f), r_f * c_f
+        along = [c * a[j][c_lo] + d * a[j][c_hi] + e * b[j][c_lo] + f * b[j][c_hi] for j in range(len(qx))]
+        out = []
+        for q in queries:
+            lo, frac = _bracket1(math.log(max(float(q), 1.0)), qx)
+            hi = min(lo + 1, len(qx) - 1)
+            out.append(math.exp(along[lo] + frac * (along[hi] - along[lo])))
+        return out
+
+
+def _bracket1(x: float, axis: list[float]) -> tuple[int, float]:
+    """``_bracket`` of one value."""
+    if len(axis) == 1:
+        return 0, 0.0
+    lo = min(max(bisect.bisect_right(axis, x) - 1, 0), len(axis) - 2)
+    return lo, (x - axis[lo]) / (axis[lo + 1] - axis[lo])
 
 
 def _bracket(x: np.ndarray, axis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

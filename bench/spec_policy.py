@@ -4,53 +4,188 @@
 
 A policy is an engine knob, not a method's: it caps the draft budget of an iteration from the live
 batch and the acceptance seen so far, and never touches what is emitted, so exact methods stay
-token-identical to the baseline under every policy (tests/test_spec_policy.py).
+token-identical to the baseline under every policy (tests/test_latency.py; the pieces in
+tests/test_spec_policy.py).
 
 - ``fixed``: the method's own budget (the default; what every paper runs).
 - ``batch_threshold``: no drafts while more than ``max_rows`` rows are live (vLLM's
   ``disable_by_batch_size``; TLT speculates only below 32 running requests).
-- ``throughput_optimal``: the k that maximises expected tokens per second, rows x (1 + sum of
-  the running per-position acceptance up to k) / latency(rows, 1 + k, context), from a latency
-  table of this engine and model (vLLM's dynamic speculation chooses k the same way). The
-  acceptance is counted per rollout call (one step of one method), so the choice is a pure
-  function of the step's own history and a resumed run chooses as the uninterrupted one did.
+- ``throughput_optimal``: the k that maximises expected tokens per second (vLLM's dynamic
+  speculation chooses k the same way), where an iteration's seconds are what it costs whole:
+
+      seconds(k) = s * table(rows, 1 + k, context) + verify(nodes) + host(rows) + [k > 0] * drafter(rows)
+
+  ``table`` is the latency table of this engine and model (its forward pass: the block and its
+  mask, the model, the output layer on the verified nodes; ``bench.engines.torch_timing``); ``s``
+  scales it to the machine's speed now (the measured forward seconds over the table's, this
+  rollout call); ``verify`` is the verifier's seconds, linear in the nodes it reads; ``host`` the
+  rest of an iteration, paid whether or not it drafts (bookkeeping, the drafter's ``observe``,
+  dropping finished rows), and ``drafter`` the drafter's proposal seconds (paid only when it is
+  asked), both linear in the live rows. The three are fitted to this rollout call's iteration log
+  (per method: each drafter class's fits of its previous call are the prior). A row's expected
+  tokens are the bonus plus the running acceptance of each draft node given its parent was
+  accepted, multiplied along the draft (``AcceptanceTracker``), times the chance that its proposal
+  is that long (the first draft of a rollout, verified in its prefill, is not counted). Decided
+  twice per iteration: before the drafter is asked (``budget``: 0 = not even asked, nor told the
+  live batch, when no k pays for the proposal) and once the drafts are known (``choose``: the cap
+  over the real drafts, the proposal's seconds sunk, the block padded to its longest row).
+  Run-ahead rollouts (``tree_cache_runahead``) are admitted only into idle capacity
+  (``run_ahead_rows``). The acceptance is counted per rollout call (one step of one method); the
+  measured seconds make the drafts (never the tokens) depend on the machine's speed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 POLICIES = ("fixed", "batch_threshold", "throughput_optimal")
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+RUN_AHEAD_SLACK = 0.05  # throughput_optimal: run-ahead rows only while they add at most 5% to an iteration
 
 
 @dataclass
 class AcceptanceTracker:
-    """Per draft position: how often it was offered and accepted (offered[i]: drafts longer than i)."""
+    """Acceptance by draft node index i, counted as the exact rule walks a draft: node i is
+    *reached* when its parent is the root or lies on the accepted path, and *hit* when it lies on
+    the path itself; rate(i) = P(hit | reached), smoothed towards the pooled rate of every node.
+    For a chain, node i is reached when the i nodes before it were accepted, so P(node i accepted)
+    is the product of the rates up to i; for a tree, the product along the node's ancestors. A cap
+    of k keeps a draft's first k nodes (parents precede children) and the rule then descends the
+    same path as far as it stays inside them, so a draft's expected accepted tokens under cap k are
+    the sum of those products over its first k nodes. Also counted: how long the proposals were
+    before any cap (longer[i]: proposals longer than i, of ``asked``).
+    """
 
-    offered: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
+    reached: list[int] = field(default_factory=list)
+    hit: list[int] = field(default_factory=list)
+    longer: list[int] = field(default_factory=list)
+    asked: int = 0
+    weight: float = 2.0  # the pooled prior's weight, in reached nodes
 
-    def record(self, draft_len: int, num_accepted: int) -> None:
-        for counts, n in ((self.offered, draft_len), (self.accepted, num_accepted)):
-            if len(counts) < n:
-                counts.extend([0] * (n - len(counts)))
-            for i in range(n):
-                counts[i] += 1
+    def record(self, draft_len: int, num_accepted: int, path: Sequence[int] | None = None,
+               parents: Sequence[int] | None = None) -> None:
+        """One verified draft of ``draft_len`` nodes: ``path`` the draft indices of its accepted
+        nodes (None: nodes 0 .. num_accepted - 1), ``parents`` its parents (None: a chain)."""
+        if len(self.reached) < draft_len:
+            self.reached.extend([0] * (draft_len - len(self.reached)))
+            self.hit.extend([0] * (draft_len - len(self.hit)))
+        if parents is None and path is None:  # a chain: nodes 0 .. a reached, 0 .. a - 1 hit
+            a = min(num_accepted, draft_len)
+            for i in range(min(a + 1, draft_len)):
+                self.reached[i] += 1
+            for i in range(a):
+                self.hit[i] += 1
+            return
+        on = set(range(num_accepted)) if path is None else set(path)
+        par = range(-1, draft_len - 1) if parents is None else parents
+        for i in range(draft_len):
+            p = par[i]
+            if p < 0 or p in on:
+                self.reached[i] += 1
+                if i in on:
+                    self.hit[i] += 1
+
+    def record_proposals(self, lengths: Sequence[int]) -> None:
+        """The untruncated lengths of one iteration's proposals (one per live row)."""
+        self.asked += len(lengths)
+        for n in lengths:
+            _count_below(self.longer, n)
+
+    def rates(self, k: int) -> list[float]:
+        """rate(i) = P(node i accepted | reached) for i < k, each smoothed towards the pooled rate
+        (1/2 before any evidence)."""
+        pooled = (sum(self.hit) + 1) / (sum(self.reached) + 2)
+        w = self.weight
+        n = len(self.reached)
+        return [((self.hit[i] if i < n else 0) + w * pooled) / ((self.reached[i] if i < n else 0) + w)
+                for i in range(k)]
 
     def rate(self, i: int) -> float:
-        """P(position i accepted | offered), with a uniform prior (1/2 before any evidence)."""
-        offered = self.offered[i] if i < len(self.offered) else 0
-        accepted = self.accepted[i] if i < len(self.accepted) else 0
-        return (accepted + 1) / (offered + 2)
+        return self.rates(i + 1)[i]
 
-    def expected_tokens(self, k: int) -> float:
-        """Tokens one row emits per pass with budget k: the bonus plus the expected accepted.
-        Position i counts only if all before it were accepted, so rates multiply along the chain."""
-        total, reach = 1.0, 1.0
+    def chain_reach(self, k: int) -> list[float]:
+        """P(node i of a chain accepted), i < k: the rates multiplied along the chain."""
+        out, r = [], 1.0
+        for c in self.rates(k):
+            r *= c
+            out.append(r)
+        return out
+
+    def expected_tokens(self, k: int, parents: Sequence[int] | None = None) -> float:
+        """Tokens one row emits per pass with a draft of k nodes (a chain, or a tree of these
+        parents): the bonus plus the expected accepted."""
+        if parents is None:
+            return 1.0 + sum(self.chain_reach(k))
+        rates, reach = self.rates(k), []
         for i in range(k):
-            reach *= self.rate(i)
-            total += reach
-        return total
+            reach.append(rates[i] * (1.0 if parents[i] < 0 else reach[parents[i]]))
+        return 1.0 + sum(reach)
+
+    def longer_than(self, i: int) -> float:
+        """P(a proposal is longer than i), with a prior of one proposal as long as asked."""
+        return ((self.longer[i] if i < len(self.longer) else 0) + 1) / (self.asked + 1)
+
+    def expected_row_tokens(self, k: int) -> float:
+        """Tokens a row emits with budget k when its proposal may be shorter than k (as a chain)."""
+        return 1.0 + sum(r * self.longer_than(i) for i, r in enumerate(self.chain_reach(k)))
+
+
+def _count_below(counts: list[int], n: int) -> None:
+    if len(counts) < n:
+        counts.extend([0] * (n - len(counts)))
+    for i in range(n):
+        counts[i] += 1
+
+
+@dataclass
+class LinearFit:
+    """seconds = a + b * rows by least squares over what was seen (the mean per row with one
+    distinct row count; 0 before any evidence)."""
+
+    n: float = 0.0
+    sx: float = 0.0
+    sxx: float = 0.0
+    sy: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, rows: float, seconds: float) -> None:
+        self.n += 1
+        self.sx += rows
+        self.sxx += rows * rows
+        self.sy += seconds
+        self.sxy += rows * seconds
+
+    def __call__(self, rows: float) -> float:
+        if self.n == 0:
+            return 0.0
+        det = self.n * self.sxx - self.sx * self.sx
+        if self.n < 3 or det <= 1e-9 * max(1.0, self.sxx * self.n):
+            return max(0.0, self.sy / max(self.sx, 1e-12) * rows)
+        b = (self.n * self.sxy - self.sx * self.sy) / det
+        a = (self.sy - b * self.sx) / self.n
+        if a < 0 or b < 0:  # keep it a cost: the better of the two one-parameter fits
+            return max(0.0, self.sy / max(self.sx, 1e-12) * rows) if b >= 0 else max(0.0, self.sy / self.n)
+        return a + b * rows
+
+
+@dataclass
+class CostModel:
+    """What an iteration costs beyond the table: the table's scale now, the verifier's seconds by
+    nodes, the host seconds paid every iteration and the drafter's proposal seconds by rows."""
+
+    measured: float = 0.0  # forward seconds measured, and the table's seconds for the same passes
+    predicted: float = 0.0
+    verify: LinearFit = field(default_factory=LinearFit)
+    host: LinearFit = field(default_factory=LinearFit)
+    drafter: LinearFit = field(default_factory=LinearFit)
+
+    @property
+    def scale(self) -> float:
+        return self.measured / self.predicted if self.predicted > 0 and self.measured > 0 else 1.0
+
+    def carried(self) -> "CostModel":
+        """The prior of the next call of the same method: the fits, not the machine's scale."""
+        return CostModel(verify=_copy(self.verify), host=_copy(self.host), drafter=_copy(self.drafter))
 
 
 class SpecPolicy:
@@ -67,21 +202,127 @@ class SpecPolicy:
                              "path written by python -m bench.latency profile")
         self.kind, self.max_rows, self.table = kind, max_rows, table
         self.tracker = AcceptanceTracker()
+        self.costs = CostModel()
+        self._priors: dict[str, CostModel] = {}  # per drafter class: its last call's host/drafter fits
+        self._who = ""
 
-    def start_call(self) -> None:
+    def start_call(self, who: str = "") -> None:
+        """A new rollout call (one step of one method); ``who`` names the drafter (its class)."""
+        if self._who:
+            self._priors[self._who] = self.costs
+        self._who = who
+        prior = self._priors.get(who)
         self.tracker = AcceptanceTracker()
+        self.costs = prior.carried() if prior else CostModel()
+
+    def _seconds(self, rows: int, queries: Sequence[int], context: float) -> list[float]:
+        scale = self.costs.scale
+        return [s * scale for s in self.table.query_seconds(rows, queries, context)]
 
     def budget(self, live_rows: int, context_mean: float) -> int | None:
+        """Before drafting: the cap for this iteration (0: do not ask the drafter)."""
         if self.kind == "fixed":
             return None
         if self.kind == "batch_threshold":
             return 0 if live_rows > self.max_rows else None
         ks = list(CANDIDATE_BUDGETS)
-        secs = self.table.seconds([live_rows] * len(ks), [1 + k for k in ks], [context_mean] * len(ks))
-        rates = [live_rows * self.tracker.expected_tokens(k) / s for k, s in zip(ks, secs)]
+        secs = self._seconds(live_rows, [1 + k for k in ks], context_mean)
+        host, drafter, verify = self.costs.host(live_rows), self.costs.drafter(live_rows), self.costs.verify
+        nodes, tokens = [0.0], [1.0]  # a row's expected real nodes beyond its root and tokens, by budget
+        for i, r in enumerate(self.tracker.chain_reach(ks[-1])):
+            p = self.tracker.longer_than(i)
+            nodes.append(nodes[-1] + p)
+            tokens.append(tokens[-1] + p * r)
+        rates = [live_rows * tokens[k] / (s + verify(live_rows * (1 + nodes[k])) + host + (drafter if k else 0.0))
+                 for k, s in zip(ks, secs)]
         best = max(range(len(ks)), key=lambda i: (rates[i], -ks[i]))
         return ks[best]
 
-    def record(self, draft_len: int, num_accepted: int) -> None:
+    def choose(self, drafts: Sequence, context_mean: float, cap: int | None) -> int | None:
+        """Once the drafts are known (the untruncated proposals, one per row): the cap to verify
+        (``cap``: ``budget``'s; throughput_optimal decides again over the real drafts)."""
+        if self.kind != "throughput_optimal":
+            return cap
+        lengths = [len(d) for d in drafts]
+        self.tracker.record_proposals(lengths)
+        longest = max(lengths, default=0)
+        if longest == 0:
+            return 0
+        rows, top = len(lengths), CANDIDATE_BUDGETS[-1]
+        ks = [k for k in CANDIDATE_BUDGETS if k < longest] + ([longest] if longest <= top else [])
+        secs = self._seconds(rows, [1 + k for k in ks], context_mean)
+        host = self.costs.host(rows)
+        rates = self.tracker.rates(min(longest, top))
+        chain = [0.0]  # cumulative expected accepted of a chain, by its length
+        r = 1.0
+        for c in rates:
+            r *= c
+            chain.append(chain[-1] + r)
+        prefixes = []  # per row: cumulative expected accepted of its first j nodes
+        for d in drafts:
+            n = min(len(d), top)
+            if d.parents is None or n == 0:
+                prefixes.append(None)
+                continue
+            reach, cum = [], [0.0]
+            for i in range(n):
+                p = d.parents[i]
+                reach.append(rates[i] * (1.0 if p < 0 else reach[p]))
+                cum.append(cum[-1] + reach[-1])
+            prefixes.append(cum)
+        best, best_rate = 0, -1.0
+        for k, s in zip(ks, secs):
+            tokens = float(rows)
+            nodes = rows
+            for n, cum in zip(lengths, prefixes):
+                m = min(k, n)
+                tokens += chain[m] if cum is None else cum[m]
+                nodes += m
+            rate = tokens / (s + self.costs.verify(nodes) + host)
+            if rate > best_rate:  # ties keep the smaller k
+                best, best_rate = k, rate
+        return best
+
+    def run_ahead_rows(self, live_rows: int, free: int, context_mean: float) -> int:
+        """How many of ``free`` slots run-ahead rollouts (SRT's: generated only to feed the drafter
+        caches) may take now. throughput_optimal admits them only into idle capacity: while an
+        iteration of ``live_rows`` + n rows costs at most ``RUN_AHEAD_SLACK`` more than one of
+        ``live_rows`` (a GPU decoding a short batch; not this CPU, where every row costs its compute)."""
+        if self.kind != "throughput_optimal" or free <= 0:
+            return free
+
+        def cost(rows: int) -> float:
+            return self._seconds(rows, [1], context_mean)[0] + self.costs.verify(rows) + self.costs.host(rows)
+
+        limit = (1 + RUN_AHEAD_SLACK) * cost(live_rows)
+        lo, hi = 0, free  # the largest n with cost(live_rows + n) <= limit (cost grows with rows)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if cost(live_rows + mid) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def record(self, draft_len: int, num_accepted: int, path: Sequence[int] | None = None,
+               parents: Sequence[int] | None = None) -> None:
         if draft_len and self.kind == "throughput_optimal":  # the only policy that reads acceptance
-            self.tracker.record(draft_len, num_accepted)
+            self.tracker.record(draft_len, num_accepted, path, parents)
+
+    def record_iteration(self, calls: Sequence[tuple[int, int, int]], context_mean: float, forward_s: float,
+                         verify_s: float, propose_s: float | None, host_s: float) -> None:
+        """One iteration's measured seconds: its forward calls ``(rows, padded width, real nodes)``,
+        their forward and verifier seconds, the drafter's proposals (None: not asked) and the rest."""
+        if self.kind != "throughput_optimal" or not calls:
+            return
+        self.costs.measured += forward_s
+        self.costs.predicted += sum(self.table.query_seconds(r, [q], context_mean)[0] for r, q, _ in calls)
+        rows = sum(r for r, _, _ in calls)
+        self.costs.verify.add(sum(n for _, _, n in calls), verify_s)
+        self.costs.host.add(rows, host_s)
+        if propose_s is not None:
+            self.costs.drafter.add(rows, propose_s)
+
+
+def _copy(fit: LinearFit) -> LinearFit:
+    return LinearFit(fit.n, fit.sx, fit.sxx, fit.sy, fit.sxy)

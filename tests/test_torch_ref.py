@@ -236,3 +236,22 @@ def test_token_identity_on_gpu(ckpts, name):
     for drafter in (OracleDrafter(futures, 8), TreeOracle(futures, 4)):
         out = eng.rollout(reqs, sampling, drafter, VerifyConfig())
         assert [r.token_ids for r in out] == [r.token_ids for r in base]
+
+
+def test_slot_cache_keeps_rows_in_place_and_reuses_freed_ones():
+    from bench.engines.kv_slots import SlotKVCache
+    cache = SlotKVCache(capacity=6)
+    cache.add_rows(4, 6)
+    keys = torch.arange(4 * 1 * 3 * 2, dtype=torch.float32).reshape(4, 1, 3, 2)
+    cache.set_block(torch.tensor([[0, 1, 2]] * 4), 3)
+    cache.update(keys, -keys, 0)
+    before = cache.keys[0].clone()
+    cache.keep_rows([0, 2, 3], used=3)  # row 1 finished: rows 2 and 3 move up, row 0 stays
+    assert cache.rows == 3 and cache.keys[0].shape[0] == 3
+    assert torch.equal(cache.keys[0][:, :, :3], before[[0, 2, 3], :, :3])
+    assert torch.equal(cache.values[0][:, :, :3], -before[[0, 2, 3], :, :3])
+    buffer = cache._keys[0]
+    cache.add_rows(1, 6)  # the freed row is reused, nothing is reallocated
+    assert cache.rows == 4 and cache._keys[0] is buffer
+    with pytest.raises(ValueError):
+        cache.keep_rows([2, 1])

@@ -12,18 +12,34 @@ import torch
 
 
 class SlotKVCache:
-    """Per layer keys/values [B, H, capacity + 1, D]; the extra last slot absorbs padding queries."""
+    """Per layer keys/values [B, H, capacity + 1, D]; the extra last slot absorbs padding queries.
+
+    Rows live in a buffer that may hold more rows than are live (``rows`` of them, the first ones):
+    dropping finished rows moves only the later live rows' used slots up (``keep_rows``), and
+    admitting rows reuses the freed ones, so neither copies the whole cache each time a rollout
+    finishes or starts. A reused row's stale slots are never read before they are written (the
+    engine's mask shows a query only its row's valid slots and its own block).
+    """
 
     is_compileable = False
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self._keys: list[torch.Tensor] = []  # [allocated rows, H, capacity + 1, D] per layer
+        self._values: list[torch.Tensor] = []
         self.rows = 0
         self.view_len = 0
         self._write_index: torch.Tensor | None = None  # [b, q] slot of each block position
         self._subset: torch.Tensor | None = None  # [b] rows of this forward (None = all rows)
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Keys of the live rows per layer, [rows, H, capacity + 1, D] (views of the buffer)."""
+        return [k[:self.rows] for k in self._keys]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        return [v[:self.rows] for v in self._values]
 
     @property
     def trash_slot(self) -> int:
@@ -38,11 +54,12 @@ class SlotKVCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         B, H, q, D = key_states.shape
-        if layer_idx == len(self.keys):
+        if layer_idx == len(self._keys):
             shape = (self.rows or B, H, self.capacity + 1, D)
-            self.keys.append(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
-            self.values.append(torch.zeros(shape, dtype=value_states.dtype, device=value_states.device))
-        k, v = self.keys[layer_idx], self.values[layer_idx]
+            self._keys.append(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
+            self._values.append(torch.zeros(shape, dtype=value_states.dtype, device=value_states.device))
+        n = self.rows or B
+        k, v = self._keys[layer_idx][:n], self._values[layer_idx][:n]
         if self._subset is None:
             index = self._write_index[:, None, :, None].expand(B, H, q, D)
             k.scatter_(2, index, key_states)
@@ -61,35 +78,42 @@ class SlotKVCache:
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
         return self.view_len, 0
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Drop finished rows: keep ``rows`` (old indices) in that order."""
-        self.rows = len(rows)
-        if not self.keys:
+    def keep_rows(self, rows: list[int], used: int | None = None) -> None:
+        """Drop finished rows: keep ``rows`` (old indices, increasing) in that order. ``used``: the
+        slots [0, used) that hold the kept rows' valid KV (None: every slot); only those move."""
+        if list(rows) != sorted(set(rows)):
+            raise ValueError("keep_rows: the kept rows must be distinct and in increasing order")
+        self.rows, old = len(rows), self.rows
+        first = next((j for j, r in enumerate(rows) if r != j), len(rows))  # rows before it stay put
+        if not self._keys or first == len(rows):
             return
-        index = torch.tensor(rows, dtype=torch.int64, device=self.keys[0].device)
-        self.keys = [k.index_select(0, index) for k in self.keys]
-        self.values = [v.index_select(0, index) for v in self.values]
+        width = self.capacity + 1 if used is None else max(0, min(int(used), self.capacity + 1))
+        if width == 0:
+            return
+        index = torch.tensor(rows[first:], dtype=torch.int64, device=self._keys[0].device)
+        for t in (*self._keys, *self._values):
+            t[first:len(rows), :, :width] = t[:old, :, :width].index_select(0, index)
 
     def add_rows(self, n: int, capacity: int) -> None:
         """Append n empty rows, growing every row's capacity to at least ``capacity``."""
         if capacity > self.capacity:
             self._grow(capacity)
         self.rows += n
-        if not self.keys:
-            return
-        self.keys = [torch.cat([k, k.new_zeros((n,) + k.shape[1:])]) for k in self.keys]
-        self.values = [torch.cat([v, v.new_zeros((n,) + v.shape[1:])]) for v in self.values]
+        if not self._keys or self._keys[0].shape[0] >= self.rows:
+            return  # freed rows are reused: their stale slots are written before they are read
+        extra = self.rows - self._keys[0].shape[0]
+        self._keys = [torch.cat([k, k.new_zeros((extra,) + k.shape[1:])]) for k in self._keys]
+        self._values = [torch.cat([v, v.new_zeros((extra,) + v.shape[1:])]) for v in self._values]
 
     def _grow(self, capacity: int) -> None:
         extra = capacity - self.capacity
-        self.capacity = capacity
-        self.keys = [torch.cat([k, k.new_zeros(k.shape[:2] + (extra, k.shape[3]))], 2) for k in self.keys]
-        self.values = [torch.cat([v, v.new_zeros(v.shape[:2] + (extra, v.shape[3]))], 2) for v in self.values]
+        self.capacity = capacity  # the trash slot (the last) moves; its contents are never read
+        self._keys = [torch.cat([k, k.new_zeros(k.shape[:2] + (extra, k.shape[3]))], 2) for k in self._keys]
+        self._values = [torch.cat([v, v.new_zeros(v.shape[:2] + (extra, v.shape[3]))], 2) for v in self._values]
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots src[b, i] to dst[b, i] in every layer (compacts accepted tree paths)."""
-        for cache in (self.keys, self.values):
-            for t in cache:
-                B, H, _, D = t.shape
-                gathered = t.gather(2, src[:, None, :, None].expand(B, H, src.shape[1], D))
-                t.scatter_(2, dst[:, None, :, None].expand(B, H, dst.shape[1], D), gathered)
+        for t in (*self.keys, *self.values):
+            B, H, _, D = t.shape
+            gathered = t.gather(2, src[:, None, :, None].expand(B, H, src.shape[1], D))
+            t.scatter_(2, dst[:, None, :, None].expand(B, H, dst.shape[1], D), gathered)

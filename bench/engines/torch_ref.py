@@ -23,7 +23,7 @@ import torch
 
 from methods.base import Draft, Drafter, Rollout
 
-from ..drafting import DraftCounters, next_draft, report_live, settle
+from ..drafting import DraftCounters, drafter_mode, next_draft, report_live, settle
 from ..sampling import SamplingConfig
 from ..spec_policy import SpecPolicy
 from ..verify import VerifyConfig, check_rule, verify_nodes
@@ -185,7 +185,8 @@ class TorchRefEngine:
         cache = SlotKVCache(capacity=1)
         self.last_iterations = 0  # forward passes of this call (what steps.parquet records)
         self.last_iteration_log = []
-        self.policy.start_call()
+        self.policy.start_call(type(drafter).__name__)
+        self._never_drafts = drafter_mode(drafter) == "baseline"  # no policy work for a drafter that never drafts
         t0 = time.perf_counter()
         with torch.inference_mode():
             while rows or waiting:
@@ -194,7 +195,9 @@ class TorchRefEngine:
                 free = target - len(rows)
                 admitted = [waiting.pop(0) for _ in range(min(free, len(waiting)))]
                 if run_ahead is not None and not waiting and free - len(admitted) > 0 and rows:
-                    admitted += [r for r in run_ahead(free - len(admitted)) if self._fits(r, sampling)]
+                    n = self.policy.run_ahead_rows(len(rows), free - len(admitted),
+                                                   sum(r.cached + len(r.pending) for r in rows) / len(rows))
+                    admitted += [r for r in run_ahead(n) if self._fits(r, sampling)] if n else []
                 if admitted:
                     t_d = time.perf_counter()
                     for r in admitted:
@@ -222,8 +225,14 @@ class TorchRefEngine:
                         done[order[id(row.request)]] = rollout
                 if len(keep) < len(rows):
                     rows = [rows[i] for i in keep]
-                    cache.keep_rows(keep)
-                self._log_iteration(calls, drafter_s, time.perf_counter() - t_iter)
+                    cache.keep_rows(keep, used=max((r.cached for r in rows), default=0))
+                total_s = time.perf_counter() - t_iter
+                self._log_iteration(calls, drafter_s, total_s)
+                fwd, ver = sum(c["forward_s"] for c in calls), sum(c["verify_s"] for c in calls)
+                if self.policy.kind == "throughput_optimal" and not self._never_drafts:
+                    self.policy.record_iteration([(c["rows"], c["block_tokens"] // c["rows"], c["query_tokens"]) for c in calls],
+                                                 self._context_mean, fwd, ver, self._propose_s,
+                                                 total_s - fwd - ver - (self._propose_s or 0.0))
                 if rows and not waiting and all(r.request.run_ahead for r in rows):
                     for row in rows:  # the main batch is done: run-ahead rollouts are aborted
                         row.finish_reason = "abort"
@@ -250,17 +259,21 @@ class TorchRefEngine:
         """One iteration: draft, build the ragged block(s), run the model, verify, commit.
 
         Returns one log entry per forward call (its shape and seconds) and the drafter's seconds."""
-        t_d = time.perf_counter()
-        report_live(drafter, [(row.request.key, len(row.output)) for row in rows])
         contexts = [r.cached + len(r.pending) for r in rows]  # tokens each row's last token attends
-        cap = self.policy.budget(len(rows), sum(contexts) / len(rows))
-        if cap == 0:  # the policy drafts nothing now: the drafter is not even asked
-            drafts = [Draft() for _ in rows]
+        self._context_mean = sum(contexts) / len(rows)
+        cap = 0 if self._never_drafts and self.policy.kind != "fixed" else self.policy.budget(len(rows), self._context_mean)
+        t_d = time.perf_counter()
+        if cap == 0:  # the policy drafts nothing now: the drafter is not even asked (nor told the live batch:
+            drafts = [Draft() for _ in rows]  # begin_iteration precedes an iteration's proposals, here none)
+            drafter_s = time.perf_counter() - t_d
+            self._propose_s = None
         else:
+            report_live(drafter, [(row.request.key, len(row.output)) for row in rows])
             drafts = [next_draft(drafter, row.request.key, row.output, sampling.max_new_tokens) for row in rows]
+            drafter_s = self._propose_s = time.perf_counter() - t_d
+            cap = self.policy.choose(drafts, self._context_mean, cap)
             if cap is not None:
                 drafts = [d.truncated(cap) for d in drafts]
-        drafter_s = time.perf_counter() - t_d
         verdicts: list = [None] * len(rows)
         calls = []
         sizes = [len(r.pending) + len(d) for r, d in zip(rows, drafts)]
@@ -299,7 +312,10 @@ class TorchRefEngine:
             if kept.n < len(emitted):
                 emitted, lps, mgs = emitted[:kept.n], lps[:kept.n], mgs[:kept.n]
             accepted[b] = kept.accepted
-            self.policy.record(len(d), accepted[b])
+            if self.policy.kind == "throughput_optimal" and len(d) and len(row.output):  # a first draft (output
+                # length 0, verified in the prefill) is no evidence for the drafts of decoding
+                self.policy.record(len(d), accepted[b], None if d.parents is None else
+                                   [j - 1 for j in v.path[1:1 + accepted[b]]], d.parents)
             if not row.output:
                 row.first_t = now
             row.output += emitted

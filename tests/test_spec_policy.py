@@ -1,0 +1,131 @@
+"""The speculation policies' pieces: counterfactual acceptance of capped drafts (chains and trees),
+the cost model fitted to the iteration log, the fast table lookup and the policy's table from a
+noisy profile. Token identity under every policy is tests/test_latency.py's."""
+import numpy as np
+import pandas as pd
+import pytest
+
+from bench.engines.torch_timing import robust_seconds
+from bench.latency import LatencyTable
+from bench.spec_policy import AcceptanceTracker, LinearFit, SpecPolicy
+from methods.base import Draft
+
+
+def grid_table(fn, rows=(1, 4, 16, 64), query=(1, 5, 25), context=(16, 64)) -> LatencyTable:
+    frame = pd.DataFrame([{"rows": r, "query": q, "context": c, "seconds": fn(r, q, c)}
+                          for r in rows for q in query for c in context])
+    return LatencyTable(frame, "hand-made")
+
+
+def test_chain_rates_are_conditional_on_reaching_the_node():
+    t = AcceptanceTracker(weight=0.0)  # no prior: the raw counts
+    for accepted in (0, 1, 2, 3):  # four chains of 3 nodes, 0 .. 3 of them accepted
+        t.record(3, accepted)
+    # node 0 reached 4 times, hit 3; node 1 reached 3 times, hit 2; node 2 reached 2 times, hit 1
+    assert t.reached == [4, 3, 2] and t.hit == [3, 2, 1]
+    assert t.rates(3) == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    # P(node i accepted) multiplies along the chain: 3/4, 1/2, 1/4 = the share with more than i accepted
+    assert t.chain_reach(3) == pytest.approx([3 / 4, 2 / 4, 1 / 4])
+    assert t.expected_tokens(3) == pytest.approx(1 + 1.5)
+
+
+def test_tree_nodes_are_reached_through_their_parent():
+    t = AcceptanceTracker(weight=0.0)
+    # root children 0 and 1, node 2 under 0, node 3 under 1; the path took 1 then 3
+    t.record(4, 2, path=[1, 3], parents=[-1, -1, 0, 1])
+    assert t.reached == [1, 1, 0, 1] and t.hit == [0, 1, 0, 1]
+    # the expected accepted tokens of a tree multiply the rates along each node's ancestors
+    t2 = AcceptanceTracker(reached=[2, 2, 2], hit=[1, 1, 1], weight=0.0)
+    assert t2.expected_tokens(3, parents=[-1, -1, 0]) == pytest.approx(1 + 0.5 + 0.5 + 0.25)
+
+
+def test_unexplored_nodes_get_the_pooled_rate_and_proposal_lengths_weigh_them():
+    t = AcceptanceTracker()
+    assert t.rates(2) == pytest.approx([0.5, 0.5])  # no evidence: 1/2
+    for _ in range(20):
+        t.record(2, 2)  # every node accepted
+    pooled = (40 + 1) / (40 + 2)
+    assert t.rate(5) == pytest.approx(pooled)  # never reached: the pooled rate
+    t.record_proposals([0, 0, 0, 4])  # one proposal in 4 has any draft
+    assert t.longer_than(0) == pytest.approx(2 / 5) and t.longer_than(4) == pytest.approx(1 / 5)
+    reach = t.chain_reach(2)
+    assert t.expected_row_tokens(2) == pytest.approx(1 + 2 / 5 * reach[0] + 2 / 5 * reach[1])
+
+
+def test_linear_fit():
+    f = LinearFit()
+    assert f(10) == 0.0  # no evidence: costs nothing
+    f.add(4, 0.4)
+    assert f(8) == pytest.approx(0.8)  # one row count: proportional
+    for r in (1, 2, 3, 5, 8):
+        f.add(r, 0.5 + 0.1 * r)
+    g = LinearFit()
+    for r in (1, 2, 3, 5, 8, 13):
+        g.add(r, 0.5 + 0.1 * r)
+    assert g(20) == pytest.approx(2.5) and g(0) == pytest.approx(0.5)
+
+
+def test_query_seconds_equals_the_table_lookup():
+    table = grid_table(lambda r, q, c: 1e-4 * (1 + r * q) * (1 + c / 64))
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        r, c = float(rng.uniform(1, 200)), float(rng.uniform(1, 300))
+        qs = [1, 2, 3, 7, 13, 25, 40, 65]
+        assert table.query_seconds(r, qs, c) == pytest.approx(list(table.seconds([r] * 8, qs, [c] * 8)), rel=1e-9)
+
+
+def test_robust_seconds_takes_the_fastest_repeat_and_is_monotone():
+    rows = []
+    for r in (1, 4):
+        for q in (1, 5):
+            fast = 1e-3 * r * q
+            slow = fast * (5 if (r, q) == (1, 1) else 1.2)  # a burst of load at the smallest shape
+            rows.append({"rows": r, "query": q, "context": 32, "seconds": slow, "seconds_min": fast * (
+                7 if (r, q) == (1, 1) else 1)})
+    out = robust_seconds(pd.DataFrame(rows)).set_index(["rows", "query"])["seconds"]
+    assert out[(1, 5)] == pytest.approx(5e-3) and out[(4, 5)] == pytest.approx(20e-3)
+    assert out[(1, 1)] == pytest.approx(4e-3)  # 7 ms at (1, 1) > 4 ms at (4, 1): capped
+
+
+def test_throughput_optimal_drafts_where_it_pays_and_not_where_drafting_costs_more():
+    # a pass costs 1 ms plus 10 us per token: with few rows verifying more is almost free
+    table = grid_table(lambda r, q, c: 1e-3 + 1e-5 * r * q)
+    policy = SpecPolicy("throughput_optimal", table=table)
+    policy.start_call("Chains")
+    for _ in range(200):
+        policy.record(8, 4)  # half of an 8-token chain accepted, evenly
+    assert policy.budget(1, 32.0) > 0
+    # a drafter whose proposals cost 1 ms per row never pays at 64 rows: it is not even asked
+    for rows in (64, 60, 56):
+        policy.record_iteration([(rows, 1, rows)], 32.0, table.seconds([rows], [1], [32])[0], 0.0, 1e-3 * rows, 0.0)
+    assert policy.budget(64, 32.0) == 0
+    # the fits carry over to the next call of the same drafter, not to another one
+    policy.start_call("Other")
+    assert policy.costs.drafter(64) == 0.0
+    policy.start_call("Chains")
+    assert policy.costs.drafter(64) == pytest.approx(64e-3)
+
+
+def test_choose_caps_at_the_real_drafts():
+    table = grid_table(lambda r, q, c: 1e-3 * q)  # k tokens cost k passes
+    policy = SpecPolicy("throughput_optimal", table=table)
+    policy.start_call("X")
+    for _ in range(100):
+        policy.record(4, 4)  # every node accepted so far
+    # drafts shorter than any budget: the cap is their longest length at most
+    assert policy.choose([Draft([1, 2]), Draft([3])], 32.0, 64) <= 2
+    assert policy.choose([Draft(), Draft()], 32.0, 64) == 0
+    for _ in range(400):
+        policy.record(4, 0)  # now nothing is accepted: verifying drafts only costs
+    assert policy.choose([Draft([1, 2, 3])], 32.0, 64) == 0
+
+
+def test_run_ahead_rows_only_into_idle_capacity():
+    flat = grid_table(lambda r, q, c: 1e-3)  # an extra row costs nothing: every free slot
+    steep = grid_table(lambda r, q, c: 1e-3 * r)  # every row costs its share: none
+    assert SpecPolicy("throughput_optimal", table=flat).run_ahead_rows(4, 10, 32.0) == 10
+    assert SpecPolicy("throughput_optimal", table=steep).run_ahead_rows(4, 10, 32.0) == 0
+    assert SpecPolicy("fixed").run_ahead_rows(4, 10, 32.0) == 10
+    some = grid_table(lambda r, q, c: 1e-3 + 1e-6 * r)  # +0.1% a row at 1 ms: 5% is about 50 rows
+    n = SpecPolicy("throughput_optimal", table=some).run_ahead_rows(4, 64, 32.0)
+    assert 30 <= n <= 60
