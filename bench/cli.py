@@ -303,8 +303,13 @@ def _predictions(cfg: DictConfig, run_dir: Path):
         return None
     from .latency import prediction_report
     from .results import load_iterations
-    if load_iterations(run_dir).empty:  # engines that log no forward passes (vLLM, SGLang)
+    iterations = load_iterations(run_dir)
+    if iterations.empty:  # engines that log no forward passes (SGLang)
         print("(no iteration log from this engine: no predicted speedups)", file=sys.stderr)
+        return None
+    if iterations["draft_tokens"].isna().any():  # vLLM logs its steps but not their draft lengths
+        print(f"(engine {cfg.engine.name} does not report each forward pass's draft tokens: no predicted "
+              f"speedups; the iteration log still gives tail shares)", file=sys.stderr)
         return None
     text, summary = prediction_report(run_dir, targets)
     print(text)

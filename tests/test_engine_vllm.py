@@ -344,3 +344,26 @@ def test_run_ahead_admission_counts_the_run_ahead_rows_in_flight(engine, trace, 
     assert {r.key for r in ahead} <= {q.key for q in run_ahead_requests(trace, step, nxt, 4)}
     assert all(r.finish_reason in ("stop", "length", "abort") for r in ahead)
     assert all(len(r.logprobs) == len(r.token_ids) for r in ahead)
+
+
+def test_every_engine_step_is_an_iteration_row(engine, trace):
+    """vLLM's steps in the iteration log: plain decoding's rows add up to the prompts once and every
+    output token once; a drafting method's steps show the draft tokens it got accepted."""
+    sampling = SamplingConfig(max_new_tokens=trace.sampling.max_new_tokens)
+    out = replay(engine, trace, Baseline(), VerifyConfig(), sampling, [0], 4)
+    log = engine.last_iteration_log
+    assert len(log) == engine.last_iterations >= max(len(r.token_ids) for r in out)
+    assert sum(row["query_tokens"] for row in log) == sum(len(r.prompt_token_ids) + len(r.token_ids) for r in out)
+    assert all(row["accepted_tokens"] == 0 and row["draft_budget"] == 0 for row in log)
+    assert all(1 <= row["rows"] <= row["live_rows"] <= len(out) for row in log)
+    make, verify = method("tree_cache")
+    for temperature in (0.0, 1.0):  # vLLM's rejection sampler; on CPU at T > 0 the suite's verifier
+        sampling = SamplingConfig(temperature=temperature, max_new_tokens=trace.sampling.max_new_tokens)
+        out = replay(engine, trace, make(), VerifyConfig("greedy") if temperature == 0 else verify,
+                     sampling, WARM, 4)
+        log = engine.last_iteration_log
+        accepted = sum(row["accepted_tokens"] for row in log)
+        assert accepted <= sum(r.num_accepted_tokens for r in out), temperature
+        if temperature > 0:  # greedy: the first draft's scoring pass may already accept the whole response
+            assert accepted > 0 and sum(row["draft_tokens"] or 0 for row in log) >= accepted
+        assert all(row["forward_s"] > 0 for row in log)

@@ -158,6 +158,7 @@ class VLLMEngine:
         self._arch_key: str | None = None
         self._calls = 0
         self.last_iterations = 0
+        self.last_iteration_log: list[dict] = []
         self.last_spec_metrics: dict = {}
         self.last_engine = ""  # "plain" or "speculative": the LLM that served the last call
         self.last_scoring: dict = {}
@@ -297,6 +298,7 @@ class VLLMEngine:
         metrics_before = self._spec_metrics(llm)
         self._calls += 1
         self.last_iterations = 0
+        self.last_iteration_log: list[dict] = []  # one row per engine.step() (``_StepLog``)
         t0 = time.perf_counter()
         rows = [_Row(r, request_key64(sampling.seed, r)) for r in requests]
         for row in rows:
@@ -364,6 +366,7 @@ class VLLMEngine:
                 items.append((f"p{self._calls}:{it}:{i}", row.request.prompt_token_ids + row.output + d.token_ids, params))
             outs = self._run(llm, items)
             now = time.perf_counter() - t0
+            accepted_before = sum(row.counters.num_accepted_tokens for row in live)
             for row, (rid, ids, _), d in zip(live, items, drafts):
                 o, ctx = outs[rid], len(ids) - len(d)
                 dists = [o.prompt_logprobs[ctx + j] for j in range(len(d))] + [o.outputs[0].logprobs[0]]
@@ -371,6 +374,10 @@ class VLLMEngine:
                 key = torch.tensor([row.key64], dtype=torch.int64)
                 v = verify_batch(raw, [d], key, [len(row.output)], sampling, verify)[0]
                 self._emit(row, len(d), v.emitted, v.num_accepted, v.logprobs, stops, sampling, drafter, now)
+            if self.last_iteration_log:  # verified here, so this loop knows its drafts: on the step's row
+                self.last_iteration_log[-1].update(
+                    draft_tokens=sum(len(d) for d in drafts),
+                    accepted_tokens=sum(row.counters.num_accepted_tokens for row in live) - accepted_before)
             live = [row for row in live if not row.finish_reason]
         ahead = []
         for row in extra:
@@ -395,21 +402,33 @@ class VLLMEngine:
                              f"({self.info.path}): shorten the prompt or lower sampling.max_new_tokens")
 
     def _run(self, llm, items: list[tuple[str, list[int], object]], on_output=None) -> dict[str, object]:
-        """Submit (request id, token ids, SamplingParams) and step the engine until all finish."""
+        """Submit (request id, token ids, SamplingParams) and step the engine until all finish;
+        every ``engine.step()`` becomes a row of ``last_iteration_log`` (``_log_step``)."""
         from vllm.inputs import TokensPrompt
         engine = llm.llm_engine
         for rid, ids, params in items:
             engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), params)
         done = {}
+        seen: dict[str, int] = {}  # output tokens of each request as of the last step
+        budget = self.k if llm is self.llm and self.speculative else 0
         while engine.has_unfinished_requests():
+            live = engine.get_num_unfinished_requests()
+            t_step = time.perf_counter()
             outs = engine.step()
-            self.last_iterations += 1
+            step_s = time.perf_counter() - t_step
+            t_rest = time.perf_counter()
+            step_log = _StepLog()
             for o in outs:
+                step_log.add(o, seen)
                 if on_output is not None:
                     on_output(o)
                 if o.finished:
                     done[o.request_id] = o
-            if on_output is not None and on_output(None):  # the callback may end the loop (run-ahead)
+            stop = on_output is not None and on_output(None)  # the callback may end the loop (run-ahead)
+            self.last_iteration_log.append(step_log.row(self.last_iterations, live, budget, step_s,
+                                                        time.perf_counter() - t_rest))
+            self.last_iterations += 1
+            if stop:
                 break
         return done
 
@@ -582,6 +601,43 @@ class VLLMEngine:
             if name in SPEC_COUNTERS:
                 out[name] = list(m.values) if hasattr(m, "values") else m.value
         return out
+
+
+class _StepLog:
+    """One ``engine.step()`` as an iterations.parquet row, from what vLLM's outputs expose: the rows
+    that produced tokens, the tokens they emitted, their contexts. A row seen for the first time
+    was prefilled, so its prompt counts as query tokens. vLLM reports no per-step draft length:
+    ``draft_tokens`` is left empty and ``query_tokens`` counts prompts plus emitted tokens (on a
+    speculative step a lower bound: rejected draft tokens are not visible); ``accepted_tokens`` is
+    what decode rows emitted beyond one token each. In the Python-verified loop (``_python_loop``)
+    every iteration submits a fresh scoring request per row, so each row's whole context counts. ``forward_s`` is the whole step (scheduler,
+    forward, sampler, and the proposer, the suite's drafter included); ``other_s`` is the
+    adapter's bookkeeping after it."""
+
+    def __init__(self):
+        self.rows = self.ahead = self.query = self.accepted = self.context_sum = self.context_max = 0
+
+    def add(self, o, seen: dict[str, int]) -> None:
+        n = len(o.outputs[0].token_ids) if o.outputs else 0
+        before = seen.get(o.request_id)
+        new = n - (before or 0)
+        if new <= 0 and before is not None:
+            return
+        prompt = len(o.prompt_token_ids or [])
+        self.rows += 1
+        self.ahead += o.request_id.startswith("a")  # run-ahead requests (``_generate``'s ids)
+        self.query += new + (prompt if before is None else 0)
+        self.accepted += max(new - 1, 0) if before is not None else 0
+        self.context_sum += prompt + n
+        self.context_max = max(self.context_max, prompt + n)
+        seen[o.request_id] = n
+
+    def row(self, iteration: int, live: int, budget: int, step_s: float, other_s: float) -> dict:
+        return {"iteration": iteration, "call": 0, "rows": self.rows, "live_rows": live,
+                "run_ahead_rows": self.ahead, "query_tokens": self.query, "block_tokens": self.query,
+                "context_sum": self.context_sum, "context_max": self.context_max, "draft_tokens": None,
+                "accepted_tokens": self.accepted, "draft_budget": budget, "forward_s": step_s,
+                "verify_s": 0.0, "drafter_s": None, "other_s": other_s}
 
 
 def _dense(dists: list[dict], vocab: int) -> torch.Tensor:
