@@ -325,15 +325,21 @@ def _hydra_main(cfg: DictConfig) -> None:
         exit_on_user_error(exc)
 
 
-def main() -> None:
-    """The entry point: user errors print as one line (``SPECROLLOUT_DEBUG=1``: tracebacks)."""
+def hydra_entry(hydra_main) -> None:
+    """Run a ``@hydra.main`` function as an entry point: unknown config-group options are refused
+    in one line first, user errors print as one line (``SPECROLLOUT_DEBUG=1``: tracebacks)."""
     if debug_enabled():
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
         check_overrides(sys.argv[1:])
     except UserError as exc:
         exit_on_user_error(exc)
-    _hydra_main()
+    hydra_main()
+
+
+def main() -> None:
+    """The entry point of ``python -m bench.cli``."""
+    hydra_entry(_hydra_main)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from ..cli import CONF_DIR, _check_methods, check_overrides, method_specs
-from ..errors import UserError, debug_enabled, exit_on_user_error
+from ..cli import CONF_DIR, _check_methods, hydra_entry, method_specs
+from ..errors import UserError, exit_on_user_error
 from ..verify import VerifyConfig
 
 RUN_KEYS = ("task", "steps", "seed", "init_seed", "dtype", "heldout_prompts", "heldout_samples")
@@ -108,10 +108,5 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    if debug_enabled():
-        os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    try:
-        check_overrides(sys.argv[1:])
-    except UserError as exc:
-        exit_on_user_error(exc)
-    _hydra_main()
+    """The entry point of ``python -m bench.train``."""
+    hydra_entry(_hydra_main)
