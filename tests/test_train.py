@@ -4,6 +4,7 @@ bad input is refused in one line before anything is written."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,11 +95,7 @@ def test_report_pairs_runs_with_their_baseline(float64_runs, tmp_path):
 
 def test_a_stopped_run_resumes_to_the_uninterrupted_weights(float64_runs, tmp_path):
     _, runs = float64_runs
-    cfg = _cfg(tmp_path, "method=tree_cache", "dtype=float64")
-    spec, label, lenience = cli.setting_of(cfg)
-    identity = cli.identity_of(cfg, spec, lenience)
-    train_cfg = TrainConfig(**{k: cfg.get(k) for k in cli.RUN_KEYS})
-    labels = {"run_id": "r", "setting": label, "seed": 0, "study": cli.study_of(identity)}
+    spec, train_cfg, identity, labels = _spec_and_identity(tmp_path, "method=tree_cache", "dtype=float64")
     for stop in (2, 1):  # killed after step 1, then after step 2, then run to the end
         with pytest.raises(StopAfter):
             run_training(tmp_path / "r", spec, train_cfg, identity, labels, progress=False, stop_after_steps=stop)
@@ -107,6 +104,60 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_weights(float64_runs, tmp_pa
     assert list(resumed["weights_sha1"]) == list(runs["tree_cache"]["weights_sha1"])
     assert list(resumed["num_accepted_tokens"]) == list(runs["tree_cache"]["num_accepted_tokens"])
     assert len(list((tmp_path / "r" / "state").glob("*.pt"))) == 1  # only the latest state is kept
+
+
+def _spec_and_identity(tmp_path, *overrides):
+    cfg = _cfg(tmp_path, *overrides)
+    spec, label, lenience = cli.setting_of(cfg)
+    identity = cli.identity_of(cfg, spec, lenience)
+    train_cfg = TrainConfig(**{k: cfg.get(k) for k in cli.RUN_KEYS})
+    return spec, train_cfg, identity, {"run_id": "r", "setting": label, "seed": 0, "study": cli.study_of(identity)}
+
+
+def test_a_step_in_flight_is_redone_and_a_lost_state_named(float64_runs, tmp_path):
+    """A crash after a step's state and held-out array but before its row: the resume redoes that
+    step (the ratio rule's drafter restored from its pickle) and ends with the uninterrupted
+    weights. A committed step whose state is gone is refused in one line naming the file."""
+    _, runs = float64_runs
+    spec, train_cfg, identity, labels = _spec_and_identity(tmp_path, "method=prefix_reuse", "dtype=float64")
+    run = tmp_path / "r"
+    with pytest.raises(StopAfter):
+        run_training(run, spec, train_cfg, identity, labels, progress=False, stop_after_steps=5)
+    shutil.copy(run / "state" / "step_00004.pt", run / "state" / "step_00005.pt")  # step 5 in flight
+    np.save(run / "eval" / "step_00005.npy", np.zeros(3, dtype=np.float32))
+    run_training(run, spec, train_cfg, identity, labels, progress=False)
+    resumed = pd.concat([pd.read_parquet(p) for p in sorted((run / "steps").glob("*.parquet"))])
+    assert list(resumed["weights_sha1"]) == list(runs["prefix_reuse"]["weights_sha1"])
+    assert np.load(run / "eval" / "step_00005.npy").ndim == 2
+
+    spec, train_cfg, identity, labels = _spec_and_identity(tmp_path, "method=baseline", "dtype=float64")
+    with pytest.raises(StopAfter):
+        run_training(tmp_path / "b", spec, train_cfg, identity, labels, progress=False, stop_after_steps=3)
+    (tmp_path / "b" / "state" / "step_00002.pt").unlink()
+    with pytest.raises(UserError, match=r"step_00002\.pt is missing"):
+        run_training(tmp_path / "b", spec, train_cfg, identity, labels, progress=False)
+
+
+def test_final_reward_counts_only_runs_with_the_whole_window():
+    """Two identical curves, one seed of one setting stopped early: that seed is left out of the
+    setting's final reward (not averaged over the steps it has), so the paired difference is 0."""
+    rows = []
+    for setting in ("baseline", "other"):
+        for seed in range(3):
+            for step in range(8):
+                if setting == "other" and seed == 2 and step >= 6:
+                    continue
+                rows.append({"study": "s", "setting": setting, "method": setting, "rule": "exact",
+                             "lenience": None, "seed": seed, "step": step, "run_id": f"{setting}{seed}",
+                             "reward_mean": step / 8 + seed / 10, "rollout_s": 1.0, "train_s": 1.0,
+                             "sync_s": 0.0, "step_s": 2.0, "output_tokens": 10, "rollout_passes": 10,
+                             "num_accepted_tokens": 0, "num_draft_tokens": 0, "kl_from_baseline": 0.0,
+                             "weights_identical": True})
+    summary = summarize(pd.DataFrame(rows), last=4).set_index("setting")
+    assert summary.loc["other", "seeds"] == 2 and summary.loc["baseline", "seeds"] == 3
+    assert summary.loc["other", "reward_diff_vs_baseline"] == 0
+    with pytest.raises(UserError, match="--last 0"):
+        summarize(pd.DataFrame(rows), last=0)
 
 
 def test_lenience_applies_to_the_ratio_rule_only(tmp_path):
@@ -143,7 +194,7 @@ def test_the_command_line_prints_one_error_line(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_a_run_folder_of_another_config_is_refused(float64_runs, tmp_path):
+def test_a_run_folder_of_another_config_is_refused(tmp_path):
     cfg = _cfg(tmp_path, "method=baseline", "dtype=float64", "run_id=same")
     cli.run(_cfg(tmp_path, "method=baseline", "dtype=float64", "run_id=same", "steps=1"))
     with pytest.raises(UserError, match="another config"):

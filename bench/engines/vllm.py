@@ -364,6 +364,7 @@ class VLLMEngine:
                 params = SamplingParams(max_tokens=1, temperature=1.0, logprobs=-1, detokenize=False,
                                         prompt_logprobs=-1 if len(d) else None)
                 items.append((f"p{self._calls}:{it}:{i}", row.request.prompt_token_ids + row.output + d.token_ids, params))
+            first_row = len(self.last_iteration_log)
             outs = self._run(llm, items)
             now = time.perf_counter() - t0
             accepted_before = sum(row.counters.num_accepted_tokens for row in live)
@@ -374,7 +375,9 @@ class VLLMEngine:
                 key = torch.tensor([row.key64], dtype=torch.int64)
                 v = verify_batch(raw, [d], key, [len(row.output)], sampling, verify)[0]
                 self._emit(row, len(d), v.emitted, v.num_accepted, v.logprobs, stops, sampling, drafter, now)
-            if self.last_iteration_log:  # verified here, so this loop knows its drafts: on the step's row
+            for row in self.last_iteration_log[first_row:]:  # verified here, so this loop knows its
+                row.update(draft_tokens=0, accepted_tokens=0)  # drafts: all on the iteration's last step
+            if len(self.last_iteration_log) > first_row:
                 self.last_iteration_log[-1].update(
                     draft_tokens=sum(len(d) for d in drafts),
                     accepted_tokens=sum(row.counters.num_accepted_tokens for row in live) - accepted_before)

@@ -37,12 +37,14 @@ def setting_of(cfg: DictConfig):
     spec = method_specs(cfg)[0]
     lenience = cfg.get("lenience")
     if spec.verify.rule != "ratio":
+        if lenience is not None and (isinstance(lenience, bool) or not isinstance(lenience, (int, float))
+                                     or not lenience >= 1):
+            raise UserError(f"lenience={lenience!r} must be a number >= 1 (or null)")
         return spec, spec.name, None
-    if lenience is not None:
-        try:
-            spec.verify = VerifyConfig(rule="ratio", lenience=float(lenience))
-        except (TypeError, ValueError) as exc:
-            raise UserError(f"lenience={lenience!r}: {exc}") from exc
+    try:  # a float always, so lenience 2 and 2.0 are one run
+        spec.verify = VerifyConfig(rule="ratio", lenience=float(spec.verify.lenience if lenience is None else lenience))
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"lenience={lenience!r}: {exc}") from exc
     return spec, f"{spec.name}@l={spec.verify.lenience:.4g}", spec.verify.lenience
 
 
@@ -51,13 +53,16 @@ def identity_of(cfg: DictConfig, spec, lenience) -> dict:
     name = spec.name
     method = OmegaConf.to_container(cfg.method[name], resolve=True)
     method["verify"] = {"rule": spec.verify.rule, "lenience": spec.verify.lenience}
-    return {**{k: cfg.get(k) for k in RUN_KEYS}, "method": name, "method_config": method,
+    from .loop import TrainConfig
+    train_cfg = TrainConfig(**{k: cfg.get(k) for k in RUN_KEYS})
+    return {**{k: cfg.get(k) for k in RUN_KEYS}, "steps": train_cfg.num_steps,
+            "warm_start": train_cfg.warm_start_key(), "method": name, "method_config": method,
             "lenience": lenience}
 
 
 def study_of(identity: dict) -> str:
     """Runs comparable to each other (same task, steps, dtype, warm start): a short digest."""
-    keys = {k: identity[k] for k in RUN_KEYS if k != "seed"}
+    keys = {k: identity[k] for k in (*RUN_KEYS, "warm_start") if k != "seed"}
     return hashlib.sha1(json.dumps(keys, sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 

@@ -28,15 +28,16 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from methods.base import RolloutKey
+from methods.base import NullDrafter, RolloutKey
 
 from ..engines.base import Request
 from ..errors import UserError
 from ..record.grpo import RecordConfig, grpo_update, response_ids, step_prompts
 from ..replay import MethodSpec, RunAheadQueue
 from ..results import rollout_row, step_row
+from ..verify import VerifyConfig
 from .store import TrainRunFolder
-from .warmstart import ensure_warm_start, heldout_logprobs, load_heldout, problems_for, sampling_for
+from .warmstart import ensure_warm_start, heldout_logprobs, load_heldout, padded_batch, problems_for, sampling_for
 
 TASKS = {"countdown": RecordConfig, "countdown-tiny": RecordConfig.tiny}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -50,7 +51,7 @@ class TrainConfig:
     steps: int | None = None  # None: the task's GRPO steps
     seed: int = 0  # the RL seed: coupled-sampling keys and the prompt order
     init_seed: int = 0  # the warm start's seed, shared by every run of a sweep
-    dtype: str = "float32"  # trainer and engine; float64 for bit-exact comparisons
+    dtype: str = "float32"  # the policy's weights in trainer and engine (the update's loss is fp32 as in the recorder)
     heldout_prompts: int = 16
     heldout_samples: int = 2
 
@@ -74,6 +75,11 @@ class TrainConfig:
     def num_steps(self) -> int:
         return self.steps or self.record_config().steps
 
+    def warm_start_key(self) -> str:
+        """Names the warm start and held-out set every run of this config starts from."""
+        from .warmstart import warm_start_key
+        return warm_start_key(self.record_config(), self.heldout_prompts, self.heldout_samples)
+
 
 def weights_sha1(model) -> str:
     """A digest of every parameter's bytes, in state-dict order: equal digests, equal weights."""
@@ -92,13 +98,7 @@ def recompute_logprobs(model, rows: list[tuple[list[int], list[int]]], temperatu
     live = [i for i, (_, r) in enumerate(rows) if r]
     if not live:
         return out
-    width = max(len(rows[i][0]) + len(rows[i][1]) for i in live)
-    ids = torch.zeros((len(live), width), dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for j, i in enumerate(live):
-        p, r = rows[i]
-        ids[j, :len(p) + len(r)] = torch.tensor(p + r)
-        attn[j, :len(p) + len(r)] = 1
+    ids, attn = padded_batch([rows[i] for i in live])
     logits = model(input_ids=ids, attention_mask=attn).logits
     logp = torch.log_softmax(logits / max(temperature, 1e-6), -1)
     for j, i in enumerate(live):
@@ -147,7 +147,7 @@ def _train(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels:
     model = AutoModelForCausalLM.from_pretrained(str(warm), dtype=DTYPES[cfg.dtype]).eval()
     opt = torch.optim.AdamW(model.parameters(), lr=rec.lr, weight_decay=0.0)
     if start:
-        state = torch.load(folder.state_path(start - 1), weights_only=False)
+        state = torch.load(io.BytesIO(folder.load_state(start - 1)), weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         drafter = pickle.loads(state["drafter"])
@@ -162,6 +162,7 @@ def _train(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels:
     engine = TorchRefEngine(device="cpu", dtype=cfg.dtype)
     scratch = folder.run_dir / ".policy"
     committed = 0
+    warmed = False
     bar = tqdm(range(start, cfg.num_steps), desc=labels.get("setting", method.name), disable=not progress,
                unit="step", initial=start, total=cfg.num_steps)
     try:
@@ -182,6 +183,9 @@ def _train(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels:
                 run_ahead = RunAheadQueue([Request(RolloutKey(pid, rec.n + i), prompt_tokens[pid], step,
                                                    run_ahead=True, anticipates=step + 1)
                                            for pid in step_prompts(pids, schedule, step + 1) for i in range(rec.n)])
+            if not warmed:  # one throwaway call: one-time costs (allocator, kernels) hit no step's clock
+                engine.rollout(requests[:1], sampling, NullDrafter(), VerifyConfig())
+                warmed = True
             drafter.begin_step(step)
             if hasattr(drafter, "reset_stats"):
                 drafter.reset_stats()
@@ -217,11 +221,9 @@ def _train(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels:
                            run_ahead_rollouts=len(rollouts) - len(trained),
                            rollout_passes=sum(r.num_forward_passes for r in trained))
 
-            def save_state(path: Path) -> None:
-                buf = io.BytesIO()
+            def save_state(f) -> None:
                 torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                            "drafter": pickle.dumps(drafter, protocol=5), "step": step}, buf)
-                path.write_bytes(buf.getvalue())
+                            "drafter": pickle.dumps(drafter, protocol=5), "step": step}, f)
 
             folder.commit(step, row, heldout_logp, save_state)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", rollout=f"{rollout_s:.2f}s")

@@ -40,6 +40,13 @@ def load_runs(root: Path) -> pd.DataFrame:
     if not frames:
         raise UserError(f"{root} holds no closed-loop steps yet: run python -m bench.train first")
     df = pd.concat(frames, ignore_index=True)
+    runs = df.groupby(["study", "setting", "seed"])["run_id"].unique()
+    clash = runs[runs.map(len) > 1]
+    if len(clash):
+        (study, setting, seed), ids = next(iter(clash.items()))
+        raise UserError(f"{root}: runs {', '.join(sorted(ids))} are all setting {setting!r}, seed {seed} of study "
+                        f"{study} (they differ in a knob the label does not show); report them from separate "
+                        f"results_root folders")
     df["kl_from_baseline"] = np.nan
     df["weights_identical"] = pd.Series([None] * len(df), dtype=object)
     base = df[df["method"] == BASELINE]
@@ -69,12 +76,16 @@ def summarize(df: pd.DataFrame, last: int = 4) -> pd.DataFrame:
     """One row per (study, setting): final reward and its paired difference from the baseline
     (mean and 95% half-width over seeds), seconds per step by phase, speedups, drafting counters,
     the final KL, and for exact methods whether every step's weights equal the baseline's."""
+    if not isinstance(last, int) or last < 1:
+        raise UserError(f"--last {last}: the final reward is the mean of the last N >= 1 steps")
     out = []
     for study, sdf in df.groupby("study", sort=True):
         final_step = int(sdf["step"].max())
         steps_total = sdf["step"].max() + 1
         window = sdf[sdf["step"] >= steps_total - last]
-        per_seed = window.groupby(["setting", "seed"])["reward_mean"].mean()
+        grouped = window.groupby(["setting", "seed"])["reward_mean"]
+        # only runs that have every step of the window: a run in flight counts in no final reward
+        per_seed = grouped.mean()[grouped.size() == min(last, steps_total)]
         base_final = per_seed.get(BASELINE) if BASELINE in per_seed.index.get_level_values(0) else None
         times = sdf.groupby("setting")[["rollout_s", "train_s", "sync_s", "step_s"]].mean()
         for setting, g in sdf.groupby("setting", sort=True):

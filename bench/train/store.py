@@ -5,34 +5,33 @@
     <run>/eval/step_XXXXX.npy      held-out log-probs of the policy that generated step XXXXX
     <run>/steps/step_XXXXX.parquet one row of step XXXXX: the commit marker, written last
 
-Every file is written to a hidden temp name and renamed into place, in the order above, so a step
+Every file is written to a hidden temp name, fsync'd and renamed into place, in the order above, so a step
 whose row exists has its state and its held-out array; a state or array without a row is the
 step in flight and is simply redone on resume.
 """
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from ..errors import UserError
+from ..results import _TMP_PREFIX, _atomic_write_bytes
 
 CONFIG = "config.json"
 
 
 def _atomic(path: Path, write) -> None:
+    """``write(file)`` into a hidden temp file, fsync'd, renamed onto ``path`` (bench.results')."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    _atomic_write_bytes(path, write)
 
 
 def _step_of(path: Path) -> int | None:
     stem = path.name.split(".")[0]
-    if path.name.startswith(".") or not stem.startswith("step_"):
+    if path.name.startswith((".", _TMP_PREFIX)) or not stem.startswith("step_"):
         return None
     try:
         return int(stem[5:])
@@ -63,7 +62,7 @@ class TrainRunFolder:
                 raise UserError(f"{self.run_dir} holds a closed-loop run with another config (differs in "
                                 f"{', '.join(keys)}); give this run another run_id or delete that folder")
             return
-        _atomic(path, lambda tmp: tmp.write_text(text))
+        _atomic(path, lambda f: f.write(text.encode()))
 
     @property
     def identity(self) -> dict:
@@ -82,16 +81,24 @@ class TrainRunFolder:
     def state_path(self, step: int) -> Path:
         return self.run_dir / "state" / f"step_{step:05d}.pt"
 
+    def load_state(self, step: int) -> bytes:
+        """The committed state of ``step`` (policy, optimizer, drafter), for a resume."""
+        path = self.state_path(step)
+        if not path.exists():
+            raise UserError(f"{path} is missing, so {self.run_dir} cannot resume after step {step}; delete "
+                            f"{self.run_dir} to start the run again")
+        return path.read_bytes()
+
     def eval_path(self, step: int) -> Path:
         return self.run_dir / "eval" / f"step_{step:05d}.npy"
 
     def commit(self, step: int, row: dict, heldout_logp: np.ndarray, save_state) -> None:
-        """Write step ``step``: its state (``save_state(path)``), its held-out array, then its row;
+        """Write step ``step``: its state (``save_state(file)``), its held-out array, then its row;
         older states are removed after the row lands."""
         _atomic(self.state_path(step), save_state)
-        _atomic(self.eval_path(step), lambda tmp: np.save(open(tmp, "wb"), heldout_logp))
+        _atomic(self.eval_path(step), lambda f: np.save(f, heldout_logp))
         _atomic(self.run_dir / "steps" / f"step_{step:05d}.parquet",
-                lambda tmp: pd.DataFrame([row]).to_parquet(tmp, index=False))
+                lambda f: pd.DataFrame([row]).to_parquet(f, index=False))
         for path in (self.run_dir / "state").glob("step_*.pt"):
             if _step_of(path) is not None and _step_of(path) != step:
                 path.unlink(missing_ok=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import UserError
 from ..record import task as countdown
 from ..record.cache import cache_root
 from ..record.grpo import RecordConfig, response_ids
@@ -50,10 +51,14 @@ def problems_for(cfg: RecordConfig, heldout_prompts: int) -> tuple[list, list]:
     seen = set(train)
     heldout = [p for p in countdown.make_problems(cfg.num_prompts + 4 * heldout_prompts, seed=cfg.seed + 29)
                if p not in seen][:heldout_prompts]
+    if len(heldout) < heldout_prompts:
+        raise UserError(f"heldout_prompts={heldout_prompts}: only {len(heldout)} problems of task {cfg.name!r} "
+                        f"are not training prompts; ask for fewer")
     return train, heldout
 
 
-def _key(cfg: RecordConfig, heldout_prompts: int, heldout_samples: int) -> str:
+def warm_start_key(cfg: RecordConfig, heldout_prompts: int, heldout_samples: int) -> str:
+    """The cache name of a warm start: task, seed and a digest of everything that shapes it."""
     blob = json.dumps({"v": WARMSTART_VERSION, "record": asdict(cfg), "heldout": [heldout_prompts, heldout_samples]},
                       sort_keys=True, default=str)
     return f"{cfg.name}-seed{cfg.seed}-{hashlib.sha1(blob.encode()).hexdigest()[:10]}"
@@ -62,7 +67,7 @@ def _key(cfg: RecordConfig, heldout_prompts: int, heldout_samples: int) -> str:
 def ensure_warm_start(cfg: RecordConfig, heldout_prompts: int = 16, heldout_samples: int = 2,
                       progress: bool = True) -> Path:
     """The cached warm-start folder (an HF checkpoint plus ``heldout.json``), trained if absent."""
-    target = cache_root() / "train" / _key(cfg, heldout_prompts, heldout_samples)
+    target = cache_root() / "train" / warm_start_key(cfg, heldout_prompts, heldout_samples)
     if (target / HELDOUT_FILE).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -127,16 +132,22 @@ def load_heldout(folder: Path) -> HeldOut:
     return HeldOut(data["prompts"], data["responses"])
 
 
+def padded_batch(pairs: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask) of right-padded prompt + response rows."""
+    width = max(len(p) + len(r) for p, r in pairs)
+    ids = torch.zeros((len(pairs), width), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(pairs):
+        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, :len(p) + len(r)] = 1
+    return ids, attn
+
+
 @torch.no_grad()
 def heldout_logprobs(model, heldout: HeldOut, temperature: float) -> np.ndarray:
     """log softmax(logits / T) of ``model`` at every held-out position: float32 [positions, vocab]
     in sequence order. Two runs' arrays at a step give their policies' KL on identical inputs."""
-    width = max(len(p) + len(r) for p, r in zip(heldout.prompts, heldout.responses))
-    ids = torch.zeros((len(heldout), width), dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, (p, r) in enumerate(zip(heldout.prompts, heldout.responses)):
-        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, :len(p) + len(r)] = 1
+    ids, attn = padded_batch(list(zip(heldout.prompts, heldout.responses)))
     was_training = model.training
     model.eval()
     logits = model(input_ids=ids, attention_mask=attn).logits
