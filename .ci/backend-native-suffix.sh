@@ -21,7 +21,7 @@ set +e
 python -m pytest -q -rs tests/test_suffix_tree.py -k native
 rc=$?
 if [ "$rc" -eq 0 ]; then   # skips are failures here: the native tests must run
-    python -m pytest -q -rs tests/test_suffix_tree.py tests/test_drafters.py \
+    python -m pytest -q -rs tests/test_suffix_tree.py tests/test_suffix_index.py tests/test_drafters.py \
         tests/test_replay.py -k 'not replay or token_identical' 2>&1 | tee /tmp/native-pytest.$$
     rc=${PIPESTATUS[0]}
     grep -q 'native suffix tree is not installed' /tmp/native-pytest.$$ && rc=1

@@ -132,34 +132,54 @@ def oracle_speedup(ckpt: Path, batches=(1, 32), budgets=(4, 8, 16), new_tokens: 
     return rows
 
 
+TIMED_CALLS = ("begin_step", "start", "begin_iteration", "propose", "observe", "finish")
+
+
+def _timed_call(cls, name: str):
+    fn, clock = getattr(cls, name), time.perf_counter  # the unbound method: no bound method per call
+
+    def call(self, *args, **kwargs):
+        t = clock()
+        out = fn(self.inner, *args, **kwargs)
+        self.seconds += clock() - t
+        self.calls += 1
+        return out
+    call.__name__ = name
+    return call
+
+
 class TimedDrafter:
-    """Wraps a drafter and adds up the seconds spent inside its calls."""
+    """Wraps a drafter and adds up the seconds spent inside its calls. The calls are methods of
+    a subclass per wrapped class (engines look them up on the type: a drafter whose ``propose``
+    is ``NullDrafter``'s never drafts, and keeps it here)."""
+
+    _classes: dict = {}
+
+    def __new__(cls, inner):
+        from methods.base import NullDrafter
+        sub = cls._classes.get(type(inner))
+        if sub is None:
+            ns = {name: _timed_call(type(inner), name) for name in TIMED_CALLS}
+            if getattr(type(inner), "propose", None) is NullDrafter.propose:
+                ns["propose"] = NullDrafter.propose
+            sub = cls._classes[type(inner)] = type(f"Timed{type(inner).__name__}", (cls,), ns)
+        return object.__new__(sub)
 
     def __init__(self, inner):
         self.inner, self.seconds, self.calls = inner, 0.0, 0
 
     def __getattr__(self, name):
-        attr = getattr(self.inner, name)
-        if name not in ("begin_step", "start", "begin_iteration", "propose", "observe", "finish"):
-            return attr
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t
-                self.calls += 1
-        return timed
+        return getattr(self.inner, name)
 
 
 def drafter_cost(trace_name: str = "countdown", steps: int = 12, backend: str | None = None,
-                 match: str | None = None) -> list[dict]:
+                 match: str | None = None, methods=None) -> list[dict]:
     """Replays the first ``steps`` steps with every exact method and reports the share of the
     rollout wall time spent in the drafter (the harness must not be drafter-bound), with the
     tokens per forward pass (output tokens / each rollout's passes, DESIGN.md section 5) and the
     batch's forward passes (engine iterations). ``backend`` / ``match`` override those knobs of
-    the methods that have them (the suffix-tree backend, the match rule)."""
+    the methods that have them (the suffix-tree backend, the match rule); ``methods`` keeps
+    only those configs (default: every exact method without run-ahead)."""
     from pathlib import Path as _P
     from omegaconf import OmegaConf
     import hydra.utils
@@ -173,7 +193,7 @@ def drafter_cost(trace_name: str = "countdown", steps: int = 12, backend: str | 
     rows = []
     for path in sorted(conf.glob("*.yaml")):
         mcfg = OmegaConf.load(path)
-        if mcfg.verify.rule != "exact" or mcfg.get("run_ahead"):
+        if mcfg.verify.rule != "exact" or mcfg.get("run_ahead") or (methods and path.stem not in methods):
             continue
         for knob, value in (("backend", backend), ("match", match)):
             if value is not None and knob in mcfg.drafter:
@@ -566,19 +586,20 @@ def _cache_oracles(log_dir: str) -> None:
 
 
 def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: int = 16, samples: int = 8,
-                   max_len: int = 4096, probe_prompts: int = 2, timeout: float = 600.0) -> list[dict]:
+                   max_len: int = 4096, probe_prompts: int = 0, timeout: float = 600.0) -> list[dict]:
     """``python -m bench.simulate`` on a synthetic log of steps x (prompts x samples) rollouts of at
     most ``max_len`` tokens (``bench.simulate.synthetic_log``: vocabulary 151,936, per-prompt
     templates that rollouts copy with edits, long-tailed lengths), each run in its own process:
     wall seconds and peak RSS of the whole command, and the seconds of each part (every method's
     replay, every cache oracle). First ``methods`` together on the whole log; then each ``probe``
-    method (default: every other simulable method) alone on the same log cut to ``probe_prompts``
-    prompts (every step, so each prompt's cache is as large as in the whole log), with its time
-    scaled by the token ratio as an estimate for the whole log. Last, the oracle's structure for
+    method (default: every other simulable method) alone on the whole log, or with
+    ``probe_prompts`` on the log cut to that many prompts (every step, so each prompt's cache is
+    as large as in the whole log), its time scaled by the token ratio as an estimate. Last, the oracle's structure for
     one rollout: suffix automaton states against the nodes of the old oracle's depth-max_len trie.
     """
     import sys
     from methods.oracle import SuffixAutomaton
+    from methods.suffix_index import SuffixIndex
     from methods.suffix_tree import SuffixTrie
     from .simulate import simulable_methods, synthetic_log, write_log
     t = time.perf_counter()
@@ -601,10 +622,14 @@ def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: i
         rows.append({"run": "cache oracles alone, whole log", "methods": "(of every simulable method)",
                      "tokens": tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
                      "parts": "; ".join(f"{k} {v:.1f}s" for k, v in _sim_parts(r["stdout"]).items())})
-        keep = {f"p{i}" for i in range(probe_prompts)}
-        cut = {s: df[df["prompt_id"].isin(keep)].reset_index(drop=True) for s, df in log.items()}
-        cut_tokens = sum(len(x) for df in cut.values() for x in df["token_ids"])
-        small = write_log(cut, Path(tmp) / "cut")
+        if probe_prompts and probe_prompts < prompts:
+            keep = {f"p{i}" for i in range(probe_prompts)}
+            cut = {s: df[df["prompt_id"].isin(keep)].reset_index(drop=True) for s, df in log.items()}
+            cut_tokens = sum(len(x) for df in cut.values() for x in df["token_ids"])
+            small = write_log(cut, Path(tmp) / "cut")
+            where = f"alone, {probe_prompts} of {prompts} prompts"
+        else:  # each probe method alone on the whole log
+            cut_tokens, small, where = tokens, full, "alone, whole log"
         probe = [m for m in simulable_methods() if m not in methods] if probe is None else list(probe)
         base = _run_measured([sys.executable, "-c", "import bench.simulate"], timeout)
         rows.append({"run": "imports only", "methods": "", "tokens": 0, "wall_s": base["wall_s"],
@@ -617,14 +642,14 @@ def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: i
             oracle = sum(v for k, v in parts.items() if k.startswith("cache oracle"))
             rss = base["peak_rss_mb"] + (r["peak_rss_mb"] - base["peak_rss_mb"]) * ratio
             if r["status"]:
-                rows.append({"run": f"alone, {probe_prompts} of {prompts} prompts", "methods": m,
+                rows.append({"run": where, "methods": m,
                              "tokens": cut_tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"],
                              "status": r["status"], "parts": f"failed: {r['error']}"})
                 continue
-            rows.append({"run": f"alone, {probe_prompts} of {prompts} prompts", "methods": m, "tokens": cut_tokens,
+            rows.append({"run": where, "methods": m, "tokens": cut_tokens,
                          "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
-                         "parts": (f"{m} {own:.1f}s ({1e6 * own / cut_tokens:.0f} us/token); cache oracle "
-                                   f"{oracle:.1f}s; whole log x{ratio:.1f}: ~{own * ratio:.0f}s, ~{rss:.0f} MB")})
+                         "parts": (f"{m} {own:.1f}s ({1e6 * own / cut_tokens:.0f} us/token); cache oracle {oracle:.1f}s"
+                                   + (f"; whole log x{ratio:.1f}: ~{own * ratio:.0f}s, ~{rss:.0f} MB" if ratio > 1 else ""))})
     import random
     rng = random.Random(0)
     text = [rng.randrange(151_936) for _ in range(max_len)]
@@ -634,7 +659,17 @@ def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: i
         sam.extend(0, text[:n])
         sam_s = time.perf_counter() - t
         detail = f"automaton {sam.num_states} states, ~{sam.approx_bytes() / 1e6:.2f} MB, {sam_s:.3f}s"
+        index = SuffixIndex(64)
+        t = time.perf_counter()
+        index.extend(0, text[:n])
+        detail += (f"; drafters' index (depth 64) {index.num_nodes} states, ~{index.approx_bytes() / 1e6:.2f} MB, "
+                   f"{time.perf_counter() - t:.3f}s")
         if n <= 1024:
+            trie = SuffixTrie(64)
+            t = time.perf_counter()
+            trie.extend(0, text[:n])
+            detail += (f"; reference trie (depth 64) {trie.num_nodes} nodes, ~{trie.approx_bytes() / 1e6:.0f} MB, "
+                       f"{time.perf_counter() - t:.2f}s")
             trie = SuffixTrie(n)
             t = time.perf_counter()
             trie.extend(0, text[:n])
@@ -687,10 +722,14 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu", help="near-ties, identity: torch device (cuda on a GPU machine)")
     ap.add_argument("--dtype", default="bfloat16", help="identity: engine dtype")
     ap.add_argument("--methods", default=",".join(SCALE_METHODS),
-                    help="simulate-scale: methods simulated together on the whole log (comma-separated)")
+                    help="simulate-scale: methods simulated together on the whole log (comma-separated); "
+                         "drafter-cost, suffix-tree --live-rows: only these methods")
     ap.add_argument("--probe", default=None,
                     help="simulate-scale: methods timed alone on a cut of the log (comma-separated, 'none'; "
                          "default every other simulable method)")
+    ap.add_argument("--probe-prompts", type=int, default=0,
+                    help="simulate-scale: time the probe methods on the log cut to this many prompts "
+                         "(default 0: each alone on the whole log)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
@@ -710,12 +749,13 @@ def main(argv=None) -> None:
                                         at=args.length // 4, iters=args.iters, match=args.match or "best"))
         return _print(suffix_tree_cost())
     if args.which == "drafter-cost":
-        return _print(drafter_cost(args.trace, args.steps, backend=args.backend, match=args.match))
+        chosen = args.methods.split(",") if args.methods != ",".join(SCALE_METHODS) else None
+        return _print(drafter_cost(args.trace, args.steps, backend=args.backend, match=args.match, methods=chosen))
     if args.which == "identity":
         return _print(exact_identity(dtype=args.dtype, device=args.device))
     if args.which == "simulate-scale":
         probe = None if args.probe is None else [m for m in args.probe.split(",") if m and m != "none"]
-        return _print(simulate_scale(methods=args.methods.split(","), probe=probe))
+        return _print(simulate_scale(methods=args.methods.split(","), probe=probe, probe_prompts=args.probe_prompts))
     if args.which == "near-ties":
         return _print(near_tie_shift(vocab=args.vocab, hidden=args.hidden, layers=args.layers, scale=args.scale,
                                      top_p=args.top_p, device=args.device))

@@ -128,13 +128,18 @@ class DASDrafter(TreeCacheDrafter):
     def finish(self, key: RolloutKey, rollout: Rollout) -> None:
         started = key in self._live
         first_free = self._next_seq
+        source = self._live.get(key, first_free)  # the rollout's sequence, [START, *tokens] after finish
         super().finish(key, rollout)
         pid, tokens = key.prompt_id, list(rollout.token_ids)
         if not started:  # a finish without start: the tree cache added a new sequence
             self._window.append((self._step, pid, first_free))
         trie = self.trie(pid)
+        copy = getattr(trie, "extend_copy", None)  # SuffixIndex: a copy adds no automaton states
         for _ in range(self.recent_weight - 1):
-            trie.extend(self._next_seq, [START, *tokens])
+            if copy is not None and source in trie:
+                copy(self._next_seq, source)
+            else:
+                trie.extend(self._next_seq, [START, *tokens])
             self._extra.append((self._step, pid, self._next_seq))
             self._next_seq += 1
         past = self._ema.get(pid)

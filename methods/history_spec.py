@@ -8,6 +8,12 @@ while the visit runs. Each response is its own sequence ``[START] + response``, 
 where a response ended. The draft length per rollout starts at ``min_spec_tokens``, doubles (up
 to ``max_spec_tokens``) after a draft that was accepted whole, and halves otherwise; acceptance
 is read from ``observe`` (accepted draft tokens followed by one sampled token).
+
+``backend`` (``auto`` | ``python`` | ``native`` | ``trie``): the tries are arctic-inference's
+native suffix trees where that is installed (``auto``; the first hit is found with forced
+single-length native calls, ``NativeSuffixTree.speculate_first_hit``), else the pure-Python
+``SuffixIndex``; ``trie`` is the reference ``SuffixTrie``. Drafts are the same on every backend
+except where equal counts tie (the native tree's hash-map order).
 """
 from __future__ import annotations
 
@@ -15,19 +21,22 @@ from typing import Sequence
 
 from .base import Draft, NullDrafter, Rollout, RolloutKey
 from .prefix_reuse import common_prefix_len
-from .suffix_tree import START, SuffixTrie
+from .suffix_tree import START, SuffixTrie, make_tree, resolve_backend
 
 
 class HistorySpecDrafter(NullDrafter):
     """First-hit pattern matching (window 7, min match 4, min_prob 0.1) with AIMD length 2..16."""
 
     name = "history_spec"
+    backend = "trie"  # what snapshots pickled before the knob existed resume on
 
     def __init__(self, window: int = 7, min_match: int = 4, min_prob: float = 0.1,
-                 min_spec_tokens: int = 2, max_spec_tokens: int = 16, max_depth: int = 24):
+                 min_spec_tokens: int = 2, max_spec_tokens: int = 16, max_depth: int = 24,
+                 backend: str = "auto"):
         if max_depth < window + max_spec_tokens:
             raise ValueError(f"max_depth={max_depth} must be >= window + max_spec_tokens "
                              f"= {window + max_spec_tokens} or drafts get cut by the trie depth")
+        self.backend = resolve_backend(backend, supported=True)
         self.window = window
         self.min_match = min_match
         self.min_prob = min_prob
@@ -57,7 +66,7 @@ class HistorySpecDrafter(NullDrafter):
         collected = self._collected.get(prompt_id)
         if collected is None or collected[0] >= self._step:
             return
-        trie = SuffixTrie(self.max_depth)
+        trie = make_tree(self.backend, self.max_depth)
         for seq_id, response in enumerate(collected[1]):
             trie.extend(seq_id, [START, *response])
         self._tries[prompt_id] = trie

@@ -21,7 +21,7 @@ from collections import deque
 from typing import Sequence
 
 from .base import Draft, NullDrafter, Rollout, RolloutKey
-from .suffix_tree import ContextMatcher, SuffixTrie, make_tree, resolve_backend
+from .suffix_tree import ContextMatcher, SuffixTrie, make_tree, resolve_backend  # noqa: F401 (types)
 
 OWN = 0  # sequence id of the request inside its own trie
 
@@ -78,7 +78,7 @@ class SuffixGlobalDrafter(NullDrafter):
         self._prompt_len[key] = len(prompt)
         if not self.in_flight:
             if not self._native:  # the native call takes the context itself
-                self._matchers[key] = ContextMatcher(self.global_trie, prompt)
+                self._matchers[key] = self.global_trie.matcher(prompt)
         elif self.max_cached_responses > 0:
             old = self._active.pop(key, None)  # a restart of a running key: its response stays cached
             if old is not None:
@@ -108,8 +108,10 @@ class SuffixGlobalDrafter(NullDrafter):
         if not self.in_flight:
             if not self._native:
                 self._matchers[key].feed(new_tokens)
-        elif key in self._active:
-            self.global_trie.extend(self._active[key], new_tokens)
+        else:
+            seq = self._active.get(key)
+            if seq is not None:
+                self.global_trie.extend(seq, new_tokens)
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
         """The better of the own-trie draft and the global-trie draft.
@@ -127,17 +129,31 @@ class SuffixGlobalDrafter(NullDrafter):
         limit = min(self.max_spec_tokens, budget)
         if own is None or limit <= 0:
             return Draft()
-        have = len(own.sequence(OWN)) - self._prompt_len[key] if OWN in own else 0
+        seq = own._seqs.get(OWN)
+        have = len(seq) - self._prompt_len[key] if seq else 0
         if have < len(output):  # tokens the engine did not observe(): take them
             self.observe(key, output[have:])
         elif have > len(output):
             return Draft()
         args = (limit, self.factor, self.offset, self.min_prob, self.tree)
-        if self._native:  # the released call: the context's last max_depth tokens, one call per tree
-            pattern = own.sequence(OWN)[-self.max_depth:] if OWN in own else []
-            own_spec = own.speculate(pattern, *args)
-            global_spec = self.global_trie.speculate(pattern, *args)
-            return self._pick(own_spec, global_spec)
+        if self._native:  # the released call on both trees: the context's last max_depth tokens
+            seq = own._seqs.get(OWN)
+            pattern = seq[-self.max_depth:] if seq else []
+            mine = own._tree.speculate(pattern, *args)  # raw native results: one Speculation at most
+            theirs = self.global_trie._tree.speculate(pattern, *args)
+            own_tokens, global_tokens = mine.token_ids, theirs.token_ids
+            own_score = mine.score if own_tokens else 0.0
+            if own_score >= (theirs.score if global_tokens else 0.0):
+                if not own_tokens:
+                    return Draft()
+                self._own_wins += 1
+                self._drafts += 1
+                self._draft_tokens += len(own_tokens)
+                return Draft(own_tokens, mine.parents if self.tree else None)
+            self._global_wins += 1
+            self._drafts += 1
+            self._draft_tokens += len(global_tokens)
+            return Draft(global_tokens, theirs.parents if self.tree else None)
         # as the native tree does, the longest suffix tried is one token shorter than the
         # pattern (the last max_depth tokens of the context): a context shorter than the depth
         # is never matched whole

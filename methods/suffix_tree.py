@@ -8,18 +8,23 @@ sequence keeps its *active nodes* (the nodes of its last ``max_depth`` suffixes)
 token moves each of them one child down: O(max_depth) per token. Children are ranked by count;
 ties go to the child created first (the earlier-inserted continuation), and each node caches
 its top child so drafting never sorts. Memory is O(tokens x max_depth) nodes (no path
-compression, about 150 bytes a node); ``approx_bytes`` reports it. ``NativeSuffixTree`` wraps the compressed C++ tree of
-the ``arctic_inference`` package where that is installed (the ``native`` extra); every tree
-drafter takes ``backend: auto | python | native`` (``resolve_backend``): auto runs natively
-where the package imports and the drafter's rule is one the native tree computes.
+compression, about 150 bytes a node); ``approx_bytes`` reports it. This trie is the reference
+(``backend: trie``); the pure-Python backend (``python``) is ``methods.suffix_index.SuffixIndex``,
+a suffix automaton with the same counts, ranks and drafts (ties included) in memory linear in the
+text. ``NativeSuffixTree`` wraps the compressed C++ tree of the ``arctic_inference`` package
+where that is installed (the ``native`` extra); every tree drafter takes ``backend: auto |
+python | native | trie`` (``resolve_backend``): auto runs natively where the package imports
+and the drafter's rule is one the native tree computes, else on ``python``.
 
 Which rule runs natively (``backend: auto`` picks native only for these):
   * SuffixDecoding's best score over match lengths (``speculate``; chains and trees): tree_cache,
     seer and hybrid with ``match: best``, das (its default), suffix_global.
-  * HistoSpec's first hit (``speculate_first_hit``): history_spec, on forced single-length calls.
+  * HistoSpec's first hit (``speculate_first_hit``): history_spec, on forced single-length calls
+    (one or two native calls per match length tried).
   * SRT's longest match (``speculate_longest``; tree_cache, seer and hybrid's default
     ``match: longest``) has no native form: one native call scores every match length, and
-    finding the longest with a continuation would take a call per length. It stays Python.
+    finding the longest with a continuation would take a call per length. It stays Python
+    (``SuffixIndex``: one lookup per automaton state).
 Native drafts equal the trie's except where equal counts tie (hash-map order) and where float32
 path probabilities round across ``min_prob`` or across another match length's score.
 """
@@ -251,6 +256,10 @@ class SuffixTrie:
             nodes.append(node)
         return nodes
 
+    def matcher(self, tokens: Sequence[int] = ()) -> "ContextMatcher":
+        """A ``ContextMatcher`` of a context that is not in the trie."""
+        return ContextMatcher(self, tokens)
+
     def own_matches(self, seq_id: int) -> list[int]:
         """For a sequence inside the trie its active nodes are its suffix matches, for free."""
         return self._active.get(seq_id, [])
@@ -433,7 +442,7 @@ class ContextMatcher:
         return self.nodes
 
 
-BACKENDS = ("auto", "python", "native")
+BACKENDS = ("auto", "python", "native", "trie")
 SENTINEL = -2  # never a token: prepended so the native tree also tries the whole context as a match
 _FORCE = 1024.0  # factor that gives only one match length a positive native budget (exact in float32)
 _NATIVE_CLASS = None
@@ -460,7 +469,9 @@ def native_available() -> bool:
 
 
 def resolve_backend(backend: str, supported: bool = True, what: str = "this drafter") -> str:
-    """The backend a drafter runs on: ``python`` (the reference trie) or ``native``.
+    """The backend a drafter runs on: ``python`` (``SuffixIndex``, the pure-Python suffix
+    automaton), ``native`` or ``trie`` (``SuffixTrie``, the reference: same drafts as ``python``,
+    O(tokens x max_depth) memory; for tests and comparisons).
 
     ``auto`` picks native only where it is importable *and* ``supported`` (the drafter's rule is
     one the native tree computes exactly), so it never changes a method's rule; ``native``
@@ -468,8 +479,8 @@ def resolve_backend(backend: str, supported: bool = True, what: str = "this draf
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "python":
-        return "python"
+    if backend in ("python", "trie"):
+        return backend
     if backend == "auto":
         return "native" if supported and native_available() else "python"
     if not supported:
@@ -495,8 +506,9 @@ class NativeSuffixTree:
     first-hit rule runs on top of it.
 
     Pickling: the C++ tree cannot be pickled, and its tie-breaking depends on the hash maps'
-    history, so the state is the log of every extend/remove call, token by token (two flat
-    arrays), and unpickling replays it into a new tree: later drafts equal the original's. The
+    history, so the state is the log of every extend/remove call (a flat array of (seq id,
+    token count) runs and one of the tokens), and unpickling replays it call by call into a new
+    tree: later drafts equal the original's. The
     log is compacted at a ``remove`` once it holds more than twice the live tokens: the tree is
     then rebuilt from its live sequences in insertion order, which a replay reproduces too.
     """
@@ -507,7 +519,7 @@ class NativeSuffixTree:
         self._tree = _native_class()(max_depth)
         self.max_depth = max_depth
         self._seqs: dict[int, list[int]] = {}
-        self._log_seq = array("q")
+        self._log_run = array("q")  # (seq_id, n tokens of log_tok) per extend call; n = REMOVE: removed
         self._log_tok = array("i")
         self._live_tokens = 0
         self.version = 0
@@ -527,7 +539,7 @@ class NativeSuffixTree:
         return 0  # compressed: nodes are not comparable with the trie's; see approx_bytes
 
     def approx_bytes(self) -> int:
-        return int(self._tree.estimate_memory()) + 12 * len(self._log_tok) + 8 * self._live_tokens
+        return int(self._tree.estimate_memory()) + 4 * len(self._log_tok) + 8 * len(self._log_run) + 8 * self._live_tokens
 
     def append(self, seq_id: int, token: int) -> None:
         self.extend(seq_id, (token,))
@@ -535,15 +547,18 @@ class NativeSuffixTree:
     def extend(self, seq_id: int, tokens: Sequence[int]) -> None:
         if not tokens:
             return
-        tokens = list(tokens)
+        if type(tokens) is not list:
+            tokens = list(tokens)
         self._tree.extend(seq_id, tokens)
         seq = self._seqs.get(seq_id)
         if seq is None:
             seq = self._seqs[seq_id] = []
-        seq.extend(tokens)
+        seq += tokens
         self._live_tokens += len(tokens)
         self._log_tok.extend(tokens)
-        self._log_seq.extend([seq_id] * len(tokens))
+        run = self._log_run
+        run.append(seq_id)
+        run.append(len(tokens))
         self.version += 1
 
     def remove(self, seq_id: int) -> None:
@@ -552,8 +567,8 @@ class NativeSuffixTree:
             return
         self._tree.remove(seq_id)
         self._live_tokens -= len(seq)
-        self._log_seq.append(seq_id)
-        self._log_tok.append(self.REMOVE)
+        self._log_run.append(seq_id)
+        self._log_run.append(self.REMOVE)
         self.version += 1
         if len(self._log_tok) > 2 * self._live_tokens + 4096:
             self._rebuild()
@@ -563,30 +578,40 @@ class NativeSuffixTree:
         seqs = self._seqs
         self._tree = _native_class()(self.max_depth)
         self._seqs, self._live_tokens = {}, 0
-        self._log_seq, self._log_tok = array("q"), array("i")
+        self._log_run, self._log_tok = array("q"), array("i")
         version = self.version
         for seq_id, tokens in seqs.items():
             self.extend(seq_id, tokens)
         self.version = version
 
     def __getstate__(self) -> dict:
-        return {"max_depth": self.max_depth, "log_seq": self._log_seq, "log_tok": self._log_tok,
+        return {"max_depth": self.max_depth, "log_run": self._log_run, "log_tok": self._log_tok,
                 "version": self.version}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["max_depth"])
-        log_seq, log_tok = state["log_seq"], state["log_tok"]
-        n, i = len(log_tok), 0
-        while i < n:  # runs of one sequence are one extend call (the native extend appends token by token)
-            seq_id, j = log_seq[i], i
-            if log_tok[i] == self.REMOVE:
-                self.remove(seq_id)
-                i += 1
-                continue
-            while j < n and log_seq[j] == seq_id and log_tok[j] != self.REMOVE:
-                j += 1
-            self.extend(seq_id, log_tok[i:j])
-            i = j
+        log_tok = state["log_tok"]
+        if "log_run" in state:
+            run, pos = state["log_run"], 0
+            for i in range(0, len(run), 2):
+                seq_id, n = run[i], run[i + 1]
+                if n == self.REMOVE:
+                    self.remove(seq_id)
+                else:
+                    self.extend(seq_id, log_tok[pos:pos + n])
+                    pos += n
+        else:  # pickled before the run-length log: one seq id per token, REMOVE in the token column
+            log_seq, n, i = state["log_seq"], len(log_tok), 0
+            while i < n:  # runs of one sequence are one extend call
+                seq_id, j = log_seq[i], i
+                if log_tok[i] == self.REMOVE:
+                    self.remove(seq_id)
+                    i += 1
+                    continue
+                while j < n and log_seq[j] == seq_id and log_tok[j] != self.REMOVE:
+                    j += 1
+                self.extend(seq_id, log_tok[i:j])
+                i = j
         self.version = state["version"]
 
     # ----- drafting -----
@@ -642,5 +667,11 @@ class NativeSuffixTree:
 
 
 def make_tree(backend: str, max_depth: int):
-    """A SuffixTrie or a NativeSuffixTree (``backend`` already resolved)."""
-    return NativeSuffixTree(max_depth) if backend == "native" else SuffixTrie(max_depth)
+    """A SuffixIndex (``python``), a NativeSuffixTree (``native``) or a SuffixTrie (``trie``);
+    ``backend`` already resolved."""
+    if backend == "native":
+        return NativeSuffixTree(max_depth)
+    if backend == "trie":
+        return SuffixTrie(max_depth)
+    from .suffix_index import SuffixIndex
+    return SuffixIndex(max_depth)

@@ -28,9 +28,9 @@ class TreeCacheDrafter(NullDrafter):
     match length: ``"longest"`` (SRT's paper: the longest suffix of the context that has a
     continuation drafts, ``SuffixTrie.speculate_longest``) or ``"best"`` (SuffixDecoding's
     rule: the best score over every match length, ``SuffixTrie.speculate``).
-    ``backend`` (``auto`` | ``python`` | ``native``): the tries are arctic-inference's native
+    ``backend`` (``auto`` | ``python`` | ``native`` | ``trie``): the tries are arctic-inference's native
     suffix trees where that is installed and ``match`` is ``best`` (``auto``); the longest-match
-    rule has no native form and always runs on the Python trie (``native`` refuses it).
+    rule has no native form and always runs in Python (``SuffixIndex``; ``native`` refuses it).
     """
 
     name = "tree_cache"
@@ -86,7 +86,7 @@ class TreeCacheDrafter(NullDrafter):
             trie.append(self._next_seq, START)
             self._next_seq += 1
         else:
-            self._matchers[key] = [START] if self._native else ContextMatcher(trie, (START,))
+            self._matchers[key] = [START] if self._native else trie.matcher((START,))
 
     def observe(self, key: RolloutKey, new_tokens: Sequence[int]) -> None:
         if self.in_flight:

@@ -538,7 +538,7 @@ def _native_cfg(path):
 
 def test_every_tree_config_has_the_backend_knob():
     assert {p.stem for p in NATIVE_CONFIGS} == {"tree_cache", "tree_cache_tree", "tree_cache_runahead",
-                                                "das", "seer", "suffix_global", "hybrid"}
+                                                "das", "seer", "suffix_global", "hybrid", "history_spec"}
     for path in NATIVE_CONFIGS:
         assert OmegaConf.load(path).drafter.backend == "auto"
 
@@ -629,6 +629,76 @@ def test_native_and_python_backends_draft_alike(name):
     assert same >= (0.7 if name in ("das", "tree_cache_tree") else 0.95) * calls, f"only {same} of {calls} identical"
 
 
+def _drive_lockstep(drafters, rng, phrases, weights, steps=3, prompts=3, samples=4, length=12):
+    """The same engine calls on every drafter (a batch per step, ragged emissions, begin_iteration):
+    the list of proposals of each."""
+    drafts = [[] for _ in drafters]
+    for step in range(steps):
+        targets = {RolloutKey(f"p{p}", i): sum(rng.choices(phrases[10 * p:10 * p + 10], weights, k=length), [])
+                   for p in range(prompts) for i in range(samples)}
+        for d in drafters:
+            d.begin_step(step)
+            for key in targets:
+                d.start(key, [0, key.sample_idx])
+        outputs = {key: [] for key in targets}
+        while any(len(outputs[k]) < len(t) for k, t in targets.items()):
+            live = [(k, len(outputs[k])) for k, t in targets.items() if len(outputs[k]) < len(t)]
+            for d in drafters:
+                d.begin_iteration(live)
+            for key, n in live:
+                for d, out in zip(drafters, drafts):
+                    out.append(d.propose(key, list(outputs[key]), 24))
+                new = targets[key][n:n + 1 + rng.randrange(3)]
+                outputs[key] += new
+                for d in drafters:
+                    d.observe(key, new)
+            for key in [k for k, t in targets.items() if len(outputs[k]) >= len(t)]:
+                target = targets.pop(key)
+                for d in drafters:
+                    d.finish(key, rollout(key, target, step))
+    return drafts
+
+
+@pytest.mark.parametrize("path", NATIVE_CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("match", [None, "best"])
+def test_python_index_drafts_equal_the_reference_trie(path, match):
+    """backend python (the suffix automaton) against backend trie (the depth-limited reference
+    trie) on the same calls: every draft identical, ties included (a 6-token vocabulary ties
+    often), with each config's own rule and with match: best; DAS removes its recency copies."""
+    import random
+    cfgs = []
+    for backend in ("python", "trie"):
+        cfg = OmegaConf.load(path).drafter
+        cfg.backend = backend
+        if match is not None and "match" in cfg:
+            cfg.match = match
+        cfgs.append(cfg)
+    if match is not None and "match" not in cfgs[0]:
+        pytest.skip("no match knob")
+    python, trie = (instantiate(c) for c in cfgs)
+    assert python.backend == "python" and trie.backend == "trie"
+    rng = random.Random(5)
+    phrases = [[rng.randrange(6) for _ in range(rng.randint(2, 6))] for _ in range(30)]
+    a, b = _drive_lockstep([python, trie], rng, phrases, [1.0] * 10, steps=4)
+    assert len(a) > 200 and sum(bool(d.token_ids) for d in a) > 50
+    assert a == b
+
+
+def test_history_spec_native_first_hit_drafts_like_python():
+    """history_spec on the native tree (forced single-length calls) against the Python index: the
+    same drafts except through equal-count ties."""
+    import random
+    _native_or_skip()
+    drafters = [HistorySpecDrafter(backend=b) for b in ("native", "python")]
+    assert [d.backend for d in drafters] == ["native", "python"]
+    rng = random.Random(9)
+    phrases = [[rng.randrange(300) for _ in range(rng.randint(3, 8))] for _ in range(30)]
+    a, b = _drive_lockstep(drafters, rng, phrases, [1 / j for j in range(1, 11)], steps=4)
+    same = sum(x == y for x, y in zip(a, b))
+    assert sum(bool(d.token_ids) for d in b) > 20
+    assert same >= 0.95 * len(a), f"only {same} of {len(a)} identical"
+
+
 def test_native_tree_methods_are_token_identical_to_baseline(tmp_path):
     """Every tree method on the native backend (match: best where the default rule is longest)
     emits the baseline's tokens in float64 on the tiny trace, and drafts."""
@@ -637,7 +707,7 @@ def test_native_tree_methods_are_token_identical_to_baseline(tmp_path):
     from bench.results import load_run
     from hydra import compose, initialize_config_dir
     from tests.test_replay import outputs
-    tree = ["tree_cache", "tree_cache_tree", "seer", "hybrid", "das", "suffix_global"]
+    tree = ["tree_cache", "tree_cache_tree", "seer", "hybrid", "das", "suffix_global", "history_spec"]
     overrides = [f"method.{m}.drafter.backend=native" for m in tree]
     overrides += [f"method.{m}.drafter.match=best" for m in ("tree_cache", "tree_cache_tree", "seer", "hybrid")]
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
