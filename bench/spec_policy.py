@@ -26,9 +26,10 @@ tests/test_spec_policy.py).
   tokens are the bonus plus the running acceptance of each draft node given its parent was
   accepted, multiplied along the draft (``AcceptanceTracker``), times the chance that its proposal
   is that long (the first draft of a rollout, verified in its prefill, is not counted). Decided
-  twice per iteration: before the drafter is asked (``budget``: 0 = not even asked, nor told the
-  live batch, when no k pays for the proposal) and once the drafts are known (``choose``: the cap
-  over the real drafts, the proposal's seconds sunk, the block padded to its longest row).
+  twice: before the drafter is asked (``budget``: 0 = not even asked, nor told the live batch,
+  when no k pays for the proposal; decided again when the live rows change, else every
+  ``REDECIDE`` iterations) and, each drafted iteration, once the drafts are known (``choose``:
+  the cap over the real drafts, the proposal's seconds sunk, the block padded to its longest row).
   Run-ahead rollouts (``tree_cache_runahead``) are admitted only into idle capacity
   (``run_ahead_rows``). The acceptance is counted per rollout call (one step of one method); the
   measured seconds make the drafts (never the tokens) depend on the machine's speed.
@@ -40,6 +41,7 @@ from typing import Sequence
 
 POLICIES = ("fixed", "batch_threshold", "throughput_optimal")
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+REDECIDE = 8  # throughput_optimal: budget() decides again when the live rows change or after this many iterations
 RUN_AHEAD_SLACK = 0.05  # throughput_optimal: run-ahead rows only while they add at most 5% to an iteration
 
 
@@ -205,6 +207,7 @@ class SpecPolicy:
         self.costs = CostModel()
         self._priors: dict[str, CostModel] = {}  # per drafter class: its last call's host/drafter fits
         self._who = ""
+        self._last = None
 
     def start_call(self, who: str = "") -> None:
         """A new rollout call (one step of one method); ``who`` names the drafter (its class)."""
@@ -214,6 +217,7 @@ class SpecPolicy:
         prior = self._priors.get(who)
         self.tracker = AcceptanceTracker()
         self.costs = prior.carried() if prior else CostModel()
+        self._last = None  # (live rows, budget, iterations it has stood) of the last decision
 
     def _seconds(self, rows: int, queries: Sequence[int], context: float) -> list[float]:
         scale = self.costs.scale
@@ -225,6 +229,9 @@ class SpecPolicy:
             return None
         if self.kind == "batch_threshold":
             return 0 if live_rows > self.max_rows else None
+        if self._last is not None and self._last[0] == live_rows and self._last[2] < REDECIDE:
+            self._last = (live_rows, self._last[1], self._last[2] + 1)  # the same batch: as decided
+            return self._last[1]
         ks = list(CANDIDATE_BUDGETS)
         secs = self._seconds(live_rows, [1 + k for k in ks], context_mean)
         host, drafter, verify = self.costs.host(live_rows), self.costs.drafter(live_rows), self.costs.verify
@@ -236,6 +243,7 @@ class SpecPolicy:
         rates = [live_rows * tokens[k] / (s + verify(live_rows * (1 + nodes[k])) + host + (drafter if k else 0.0))
                  for k, s in zip(ks, secs)]
         best = max(range(len(ks)), key=lambda i: (rates[i], -ks[i]))
+        self._last = (live_rows, ks[best], 1)
         return ks[best]
 
     def choose(self, drafts: Sequence, context_mean: float, cap: int | None) -> int | None:

@@ -230,8 +230,8 @@ class TorchRefEngine:
                 self._log_iteration(calls, drafter_s, total_s)
                 fwd, ver = sum(c["forward_s"] for c in calls), sum(c["verify_s"] for c in calls)
                 if self.policy.kind == "throughput_optimal" and not self._never_drafts:
-                    self.policy.record_iteration([(c["rows"], c["block_tokens"] // c["rows"], c["query_tokens"]) for c in calls],
-                                                 self._context_mean, fwd, ver, self._propose_s,
+                    shapes = [(c["rows"], c["block_tokens"] // c["rows"], c["query_tokens"]) for c in calls]
+                    self.policy.record_iteration(shapes, self._context_mean, fwd, ver, self._propose_s,
                                                  total_s - fwd - ver - (self._propose_s or 0.0))
                 if rows and not waiting and all(r.request.run_ahead for r in rows):
                     for row in rows:  # the main batch is done: run-ahead rollouts are aborted
@@ -261,7 +261,8 @@ class TorchRefEngine:
         Returns one log entry per forward call (its shape and seconds) and the drafter's seconds."""
         contexts = [r.cached + len(r.pending) for r in rows]  # tokens each row's last token attends
         self._context_mean = sum(contexts) / len(rows)
-        cap = 0 if self._never_drafts and self.policy.kind != "fixed" else self.policy.budget(len(rows), self._context_mean)
+        never = self._never_drafts and self.policy.kind != "fixed"
+        cap = 0 if never else self.policy.budget(len(rows), self._context_mean)
         t_d = time.perf_counter()
         if cap == 0:  # the policy drafts nothing now: the drafter is not even asked (nor told the live batch:
             drafts = [Draft() for _ in rows]  # begin_iteration precedes an iteration's proposals, here none)
