@@ -253,3 +253,119 @@ def test_baseline_replay_reproduces_the_search_recording(search_trace):
     requests = [Request(RolloutKey(p, int(i)), trace.prompts[p], step=step) for p, i in zip(df.prompt_id, df.sample_idx)]
     out = engine.rollout(requests, trace.sampling.to_config(), Baseline(), VerifyConfig())
     assert [o.token_ids for o in out] == [list(t) for t in df.token_ids]
+
+
+def test_bpe_tokenizer_keeps_numbers_one_token_wherever_they_stand():
+    from bench.record import search_task as st
+    from bench.record.bpe_tokenizer import train_tokenizer
+    texts = st.corpus(st.make_problems(100, seed=1), seed=0)
+    apart = train_tokenizer(texts, vocab_size=384, digits_apart=True)
+    ids = apart("27+5=32 vs 27 no (5 27)", add_special_tokens=False)["input_ids"]
+    tokens = apart.convert_ids_to_tokens(ids)
+    assert tokens.count("27") == 3 and "Ġvs" in tokens  # at the start, after ' ' and after '(' alike; words stay chunks
+    assert apart.decode(ids) == "27+5=32 vs 27 no (5 27)"
+    gpt2 = train_tokenizer(texts, vocab_size=384)
+    ids = gpt2("=27 27", add_special_tokens=False)["input_ids"]
+    assert gpt2.decode(ids[-1:]) == " 27" != gpt2.decode(ids[1:2])  # GPT-2's split: '27' and ' 27' differ
+
+
+# ---------------------------------------------------------------- traces bundled in the package
+
+def test_a_current_bundled_trace_is_copied_not_recorded(tiny_trace, tmp_path, monkeypatch):
+    import shutil
+
+    import yaml
+
+    from bench.record import cache, ensure_trace, grpo
+    bundled = tmp_path / "bundled"
+    shutil.copytree(tiny_trace, bundled / "countdown-tiny")
+    monkeypatch.setattr(cache, "BUNDLED", bundled)
+    monkeypatch.setenv("SPECROLLOUT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(grpo, "record", lambda *a, **k: pytest.fail("a current bundled trace is copied"))
+    got = ensure_trace("countdown-tiny", tiny=True, progress=False)
+    assert got == tmp_path / "cache" / "traces" / "countdown-tiny"
+    for f in ("trace.yaml", "stats.json", "prompts.jsonl"):
+        assert (got / f).read_bytes() == (tiny_trace / f).read_bytes()
+    assert Trace.load(got).step_numbers == Trace.load(tiny_trace).step_numbers
+    # recorded with other settings: not used, recorded instead
+    manifest = bundled / "countdown-tiny" / "trace.yaml"
+    data = yaml.safe_load(manifest.read_text())
+    data["recorder"]["seed"] = 99
+    manifest.write_text(yaml.safe_dump(data))
+    shutil.rmtree(got)
+
+    class Recorded(Exception):
+        pass
+
+    def record(out, cfg, progress=True):
+        raise Recorded
+
+    monkeypatch.setattr(grpo, "record", record)
+    with pytest.raises(Recorded):
+        ensure_trace("countdown-tiny", tiny=True, progress=False)
+
+
+def test_the_bundled_search_trace_is_current_small_and_long_tailed():
+    """The search trace ships in the package: recorded by this recorder with the preset's settings
+    (else it would be recorded again on first use, 10-20 minutes), at most 10 MB, with the tail and
+    the reward rise it was recorded with (the mean length and the +0.1 rise are missed: LOG.md)."""
+    from bench.record import cache
+    from bench.record.grpo import SearchRecordConfig
+    from bench.record.summary import summary
+    path = cache.BUNDLED / "countdown-search"
+    if not (path / "trace.yaml").exists():
+        pytest.skip("no bundled countdown-search trace in this install")
+    assert cache.bundled_trace("countdown-search", SearchRecordConfig()) == path
+    assert sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) <= 10 * 2 ** 20
+    trace = Trace.load(path)
+    assert trace.is_sparse and trace.task == "countdown_search"
+    assert not (path / ".policy").exists()
+    text = summary(path)
+    for met in ("p99 >= 3x p50 met", "max_new_tokens >= 512 met", "repeat fraction <= 0.3 met"):
+        assert met in text, text
+    rows = json.loads((path / "stats.json").read_text())["steps"]
+    k = len(rows) // 4
+    assert statistics.mean(r["reward_mean"] for r in rows[-k:]) > statistics.mean(r["reward_mean"] for r in rows[:k])
+
+
+def test_restated_paths_make_the_answer_a_copy_of_the_line_above():
+    import random
+
+    from bench.record import search_task as st
+    rng = random.Random(4)
+    for k, p in enumerate(st.make_problems(30, seed=2, four_share=0.5, max_number=5, ops="+-*")):
+        verdict_first = bool(k % 2)
+        text, solved = st.solve_transcript(p, rng, 80, "+-*", restate_path=True, max_chars=560,
+                                           verdict_first=verdict_first)
+        lines = text.splitlines()
+        assert len(text) <= 560 + 80 and st.reward(p, text) == (1.0 if solved else 0.0)
+        yes, no = (f" == {p.target}", f" != {p.target}") if verdict_first else (f" vs {p.target} yes", f" vs {p.target} no")
+        assert all(line.endswith((yes, no, ")")) or line in (st.GIVE_UP, lines[-1]) for line in lines)
+        if solved:
+            assert lines[-1] == st.ANSWER + lines[-2].removesuffix(yes)
+        for line in lines:  # below the first level, a line starts with its parent's path
+            if line.count(",") and not line.startswith(st.ANSWER):
+                parent = line.rsplit(", ", 1)[0]
+                assert any(other.startswith(parent + " (") for other in lines), line
+        plain, _ = st.solve_transcript(p, random.Random(0), 80, "+-*")
+        assert plain == st.solve_transcript(p, random.Random(0), 80, "+-*", restate_path=False)[0]
+
+
+def test_a_baseline_replay_reproduces_the_bundled_search_trace():
+    from bench.engines.base import Request
+    from bench.engines.torch_ref import TorchRefEngine
+    from bench.record import cache
+    from bench.verify import VerifyConfig
+    from methods.base import RolloutKey
+    from methods.baseline import Baseline
+    path = cache.BUNDLED / "countdown-search"
+    if not (path / "trace.yaml").exists():
+        pytest.skip("no bundled countdown-search trace in this install")
+    trace = Trace.load(path)
+    step = trace.step_numbers[-1]
+    engine = TorchRefEngine(dtype="float32")
+    engine.load(trace.checkpoint(step))
+    df = trace.rollouts(step)
+    requests = [Request(RolloutKey(p, int(i)), trace.prompts[p], step=step) for p, i in zip(df.prompt_id, df.sample_idx)]
+    out = engine.rollout(requests, trace.sampling.to_config(), Baseline(), VerifyConfig())
+    assert [o.token_ids for o in out] == [list(t) for t in df.token_ids]

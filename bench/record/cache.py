@@ -5,6 +5,11 @@
 The cache root is ``$SPECROLLOUT_CACHE`` (default ``~/.cache/specrollout``); named traces live in
 ``<root>/traces/<name>``. A trace is recorded into a temporary sibling dir and renamed into place
 when complete, so a killed recording never leaves a half trace that looks complete.
+
+A trace recorded in advance may ship in the package (``bench/record/bundled/<name>``, the
+"embedded default"): a cache name whose bundled copy was recorded by this recorder version with
+the same settings is copied into the cache instead of recorded (seconds, not minutes). With other
+settings (or without the folder, as in an install that left it out) it is recorded as before.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import yaml
 from ..trace import MANIFEST, publish_dir
 from .grpo import RECORDER_VERSION, RecordConfig, SearchRecordConfig
 
+BUNDLED = Path(__file__).resolve().parent / "bundled"  # traces recorded in advance, by cache name
 PRESETS = {"countdown": RecordConfig, "countdown-tiny": RecordConfig.tiny,
            "countdown-search": SearchRecordConfig, "countdown-search-tiny": SearchRecordConfig.tiny}
 
@@ -43,12 +49,19 @@ def _is_current(path: Path, cfg: RecordConfig) -> bool:
     return rec == {"version": RECORDER_VERSION, **asdict(cfg)}
 
 
+def bundled_trace(name: str, cfg: RecordConfig) -> Path | None:
+    """The trace of cache name ``name`` shipped in the package, if it matches ``cfg`` (else None)."""
+    path = BUNDLED / name
+    return path if (path / MANIFEST).exists() and _is_current(path, cfg) else None
+
+
 def ensure_trace(name_or_dir: str | os.PathLike, tiny: bool = False, progress: bool = True) -> Path:
     """Return the path of a complete trace, recording it first if absent or stale.
 
     ``name_or_dir`` is a cache name (``"countdown"``, ``"countdown-tiny"``, ``"countdown-search"``
     (the long-tailed reasoning trace), or any name: recorded
-    with the default settings, or the tiny ones when ``tiny``) or a directory path. A directory
+    with the default settings, or the tiny ones when ``tiny``; a name with a current bundled
+    recording is copied from the package instead) or a directory path. A directory
     that holds a trace is returned as it is; a cached trace recorded by an older recorder version
     or with other settings is recorded again and replaced.
     """
@@ -66,8 +79,14 @@ def ensure_trace(name_or_dir: str | os.PathLike, tiny: bool = False, progress: b
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.recording-", dir=target.parent))
     try:
-        from .grpo import record
-        record(tmp, cfg, progress=progress)
+        bundled = bundled_trace(target.name, cfg) if not is_path else None
+        if bundled is not None:  # recorded in advance with these settings: copy, do not record
+            shutil.copytree(bundled, tmp, dirs_exist_ok=True)
+            if progress:
+                print(f"trace {target.name!r}: the bundled recording ({bundled}) copied to {target}")
+        else:
+            from .grpo import record
+            record(tmp, cfg, progress=progress)
         if (target / MANIFEST).exists() and not _is_current(target, cfg):  # stale: move it away
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
             os.replace(target, old / "trace")

@@ -9,8 +9,13 @@ operation is checked against the target (``"8+14=22 vs 24 no"`` or ``"2*12=24 vs
 operations are exhausted is left with ``"back (7 2 8)"``, restating the state returned to (so the
 state a line works on is always a few lines up, as in Stream-of-Search's restated states). The solver that writes the warm-start
 transcripts tries the operations of every state in a random order, so the same problem yields
-searches of very different lengths (a geometric-like tail); past ``max_lines`` it writes
-``"give up"``. The last line is the successful path, ``"answer 3+5=8, 7-2=5, 8*5=40"``: 1.0 if
+searches of very different lengths (a geometric-like tail); past ``max_lines`` (or ``max_chars``
+characters) it writes ``"give up"``. The recorded trace writes it in a form a 0.4M policy copies
+more reliably (``restate_path``, ``verdict_first``): every line below the first level starts with
+the path to its state, ``"3+5=8, 7-2=5 (8 5)"``, and a last move is judged right after its value,
+``"3+5=8, 7-2=5, 8*5=40 == 40"`` / ``"... != 40"``; a line's prefix is then its parent's line and the
+answer is the line above it, not a path gathered from lines far up (the policy got 2 of 3 of those
+wrong). The last line is the successful path, ``"answer 3+5=8, 7-2=5, 8*5=40"``: 1.0 if
 every equation is right, uses only numbers still available (the given ones, then results, each
 once) and the last result is the target; 0 otherwise. There is no credit for a well-formed wrong
 answer (the short task's 0.1): with it, GRPO shortened the searches to quick well-formed wrong
@@ -68,9 +73,25 @@ def _moves(state: list[tuple[int, tuple[str, str | None]]], ops: str = OPS):
 
 
 def solve_transcript(problem: Problem, rng: random.Random, max_lines: int = 80,
-                     ops: str = OPS) -> tuple[str, bool]:
-    """A random-order depth-first search of ``problem`` written out; (text, solved)."""
+                     ops: str = OPS, restate_path: bool = False, max_chars: int = 0,
+                     verdict_first: bool = False) -> tuple[str, bool]:
+    """A random-order depth-first search of ``problem`` written out; (text, solved).
+
+    ``restate_path``: every line below the first level starts with the path that led to its state
+    (``"3+3=6, 6+3=9 vs 9 yes"``), so the answer line copies the line above it and each line's
+    prefix is its parent's line (what a tiny policy gets right). ``max_chars``: also give up once
+    the transcript is this long (0: lines only), a budget in text rather than lines.
+    ``verdict_first``: a last move is checked as ``"6+3=9 == 9"`` / ``"10*3=30 != 9"`` (the verdict
+    right after the value it judges) instead of ``"... vs 9 yes"`` (after the restated target)."""
     lines: list[str] = []
+    size = [0]
+
+    def out_of_budget() -> bool:
+        return len(lines) >= max_lines or bool(max_chars) and size[0] >= max_chars
+
+    def write(line: str) -> None:
+        lines.append(line)
+        size[0] += len(line) + 1
     start = [(x, (str(x), None)) for x in problem.numbers]
     found: list[str] = []
 
@@ -80,34 +101,35 @@ def solve_transcript(problem: Problem, rng: random.Random, max_lines: int = 80,
         moves = _moves(state, ops)
         rng.shuffle(moves)
         for i, j, op, hi, lo, value in moves:
-            if len(lines) >= max_lines:
+            if out_of_budget():
                 return False
             x, y = state[hi], state[lo]
             expr = (_wrap(x[1], op, False) + op + _wrap(y[1], op, True), op)
             rest = [s for k, s in enumerate(state) if k not in (i, j)] + [(value, expr)]
             head = f"{x[0]}{op}{y[0]}={value}"
+            shown = ", ".join(path + [head]) if restate_path else head
             if len(rest) == 1:
                 if value == problem.target:
-                    lines.append(f"{head} vs {problem.target} yes")
+                    write(f"{shown} == {problem.target}" if verdict_first else f"{shown} vs {problem.target} yes")
                     found.append(", ".join(path + [head]))
                     return True
-                lines.append(f"{head} vs {problem.target} no")
+                write(f"{shown} != {problem.target}" if verdict_first else f"{shown} vs {problem.target} no")
                 continue
-            lines.append(head + " (" + " ".join(str(s[0]) for s in rest) + ")")
+            write(shown + " (" + " ".join(str(s[0]) for s in rest) + ")")
             path.append(head)
             if dfs(rest):
                 return True
             path.pop()
-            if len(lines) >= max_lines:
+            if out_of_budget():
                 return False
-            lines.append("back (" + " ".join(str(s[0]) for s in state) + ")")  # the state returned to
+            write("back (" + " ".join(str(s[0]) for s in state) + ")")  # the state returned to
         return False
 
     solved = dfs(start)
     if solved:
-        lines.append(f"{ANSWER}{found[0]}")
+        write(f"{ANSWER}{found[0]}")
     else:
-        lines.append(GIVE_UP)
+        write(GIVE_UP)
     return "\n".join(lines), solved
 
 
@@ -201,16 +223,19 @@ def make_problems(count: int, seed: int, four_share: float = 0.2, max_number: in
     return problems
 
 
-def sft_example(problem: Problem, rng: random.Random, max_lines: int = 80, ops: str = OPS) -> str:
+def sft_example(problem: Problem, rng: random.Random, max_lines: int = 80, ops: str = OPS,
+                restate_path: bool = False, max_chars: int = 0, verdict_first: bool = False) -> str:
     """One warm-start response for ``problem`` (a fresh random search order every call)."""
-    return solve_transcript(problem, rng, max_lines, ops)[0]
+    return solve_transcript(problem, rng, max_lines, ops, restate_path, max_chars, verdict_first)[0]
 
 
 def corpus(problems: list[Problem], seed: int, per_problem: int = 2, max_lines: int = 80,
-           ops: str = OPS) -> list[str]:
+           ops: str = OPS, restate_path: bool = False, max_chars: int = 0,
+           verdict_first: bool = False) -> list[str]:
     """Prompt + transcript texts (what the BPE tokenizer is trained on)."""
     rng = random.Random(seed)
-    return [p.prompt + sft_example(p, rng, max_lines, ops) for p in problems for _ in range(per_problem)]
+    return [p.prompt + sft_example(p, rng, max_lines, ops, restate_path, max_chars, verdict_first)
+            for p in problems for _ in range(per_problem)]
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ def summary(trace_dir: Path) -> str:
         out += (f"\nAll {len(rows)} steps: length mean {lengths['mean']:.1f}, p50 {lengths['p50']:.0f}, "
                 f"p90 {lengths['p90']:.0f}, p99 {lengths['p99']:.0f}, max {lengths['max']} "
                 f"(p99 / p50 = {lengths['p99_over_p50']:.2f}); max_new_tokens {cfg['max_new_tokens']}; "
-                f"reward first quarter {first:.3f}, last quarter {last:.3f} (+{last - first:.3f}); "
+                f"reward first quarter {first:.3f}, last quarter {last:.3f} ({last - first:+.3f}); "
                 f"repeat fraction {_f(repeat)}; recorded in {stats['wall_s']:.0f} s (SFT {stats['sft_s']:.0f} s).\n")
         checks = {"mean >= 150": lengths["mean"] >= 150, "p99 >= 3x p50": lengths["p99_over_p50"] >= 3,
                   "max_new_tokens >= 512": cfg["max_new_tokens"] >= 512,
