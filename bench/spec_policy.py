@@ -291,18 +291,22 @@ class SpecPolicy:
                 best, best_rate = k, rate
         return best
 
-    def run_ahead_rows(self, live_rows: int, free: int, context_mean: float) -> int:
+    def run_ahead_rows(self, live_rows: int, free: int, context_mean: float, trained_rows: int | None = None) -> int:
         """How many of ``free`` slots run-ahead rollouts (SRT's: generated only to feed the drafter
         caches) may take now. throughput_optimal admits them only into idle capacity: while an
-        iteration of ``live_rows`` + n rows costs at most ``RUN_AHEAD_SLACK`` more than one of
-        ``live_rows`` (a GPU decoding a short batch; not this CPU, where every row costs its compute)."""
+        iteration of ``live_rows`` + n rows costs at most ``RUN_AHEAD_SLACK`` more than one of the
+        ``trained_rows`` alone (default: all live rows; run-ahead rows already in flight count as
+        cost, so the slack does not compound), as on a GPU decoding a short batch, not on this
+        CPU, where every row costs its compute."""
         if self.kind != "throughput_optimal" or free <= 0:
             return free
 
         def cost(rows: int) -> float:
             return self._seconds(rows, [1], context_mean)[0] + self.costs.verify(rows) + self.costs.host(rows)
 
-        limit = (1 + RUN_AHEAD_SLACK) * cost(live_rows)
+        limit = (1 + RUN_AHEAD_SLACK) * cost(live_rows if trained_rows is None else max(trained_rows, 1))
+        if cost(live_rows) > limit:
+            return 0
         lo, hi = 0, free  # the largest n with cost(live_rows + n) <= limit (cost grows with rows)
         while lo < hi:
             mid = (lo + hi + 1) // 2

@@ -129,3 +129,12 @@ def test_run_ahead_rows_only_into_idle_capacity():
     some = grid_table(lambda r, q, c: 1e-3 + 1e-6 * r)  # +0.1% a row at 1 ms: 5% is about 50 rows
     n = SpecPolicy("throughput_optimal", table=some).run_ahead_rows(4, 64, 32.0)
     assert 30 <= n <= 60
+
+
+def test_run_ahead_slack_does_not_compound():
+    some = grid_table(lambda r, q, c: 1e-3 + 1e-5 * r)  # +1% a row at 1 ms
+    policy = SpecPolicy("throughput_optimal", table=some)
+    first = policy.run_ahead_rows(4, 64, 32.0, trained_rows=4)
+    assert 1 <= first <= 8
+    # with those run-ahead rows in flight, no more: the slack is measured against the trained rows
+    assert policy.run_ahead_rows(4 + first, 64, 32.0, trained_rows=4) == 0

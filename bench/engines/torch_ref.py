@@ -196,7 +196,8 @@ class TorchRefEngine:
                 admitted = [waiting.pop(0) for _ in range(min(free, len(waiting)))]
                 if run_ahead is not None and not waiting and free - len(admitted) > 0 and rows:
                     n = self.policy.run_ahead_rows(len(rows), free - len(admitted),
-                                                   sum(r.cached + len(r.pending) for r in rows) / len(rows))
+                                                   sum(r.cached + len(r.pending) for r in rows) / len(rows),
+                                                   trained_rows=sum(not r.request.run_ahead for r in rows))
                     admitted += [r for r in run_ahead(n) if self._fits(r, sampling)] if n else []
                 if admitted:
                     t_d = time.perf_counter()
