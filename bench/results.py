@@ -16,7 +16,9 @@ each as a hidden temp file renamed into place with ``os.replace``. The steps par
 marker: a unit whose steps part is missing is not done, its rollouts part and snapshot (if any)
 are ignored on load and overwritten on resume, so nothing is lost or counted twice. A resumed
 method starts from the snapshot of its last committed unit, so its drafts (and every counter)
-are those of an uninterrupted run: the state is the one the run had, not a rebuild of it. Hidden temp files (``.tmp-*``) are skipped by
+are those of an uninterrupted run: the state is the one the run had, not a rebuild of it (not so
+under ``engine.spec_policy=throughput_optimal``, whose decisions read measured seconds:
+``bench.spec_policy``). Hidden temp files (``.tmp-*``) are skipped by
 ``pd.read_parquet(<dir>)`` and removed when a writer reopens the folder.
 """
 from __future__ import annotations

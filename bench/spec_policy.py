@@ -32,7 +32,10 @@ tests/test_spec_policy.py).
   the cap over the real drafts, the proposal's seconds sunk, the block padded to its longest row).
   Run-ahead rollouts (``tree_cache_runahead``) are admitted only into idle capacity
   (``run_ahead_rows``). The acceptance is counted per rollout call (one step of one method); the
-  measured seconds make the drafts (never the tokens) depend on the machine's speed.
+  measured seconds make the drafts (never the tokens) depend on the machine's speed, and the
+  fits carried between calls live in the engine, not in a unit's snapshot: a resumed or repeated
+  run emits the same tokens but may draft, count and admit run-ahead rows differently (the
+  resume tests run the ``fixed`` policy, whose decisions read no clock).
 """
 from __future__ import annotations
 
