@@ -24,12 +24,19 @@ tests/test_spec_policy.py).
   asked), both linear in the live rows. The three are fitted to this rollout call's iteration log
   (per method: each drafter class's fits of its previous call are the prior). A row's expected
   tokens are the bonus plus the running acceptance of each draft node given its parent was
-  accepted, multiplied along the draft (``AcceptanceTracker``), times the chance that its proposal
-  is that long (the first draft of a rollout, verified in its prefill, is not counted). Decided
+  accepted, multiplied along the draft (``AcceptanceTracker``; every iteration weighs the evidence
+  before it by ``DECAY``, so the estimate follows the rollout), times the chance that its
+  proposal is that long (the first draft of a rollout, verified in its prefill, is not counted,
+  neither in the acceptance nor in the lengths). Decided
   twice: before the drafter is asked (``budget``: 0 = not even asked, nor told the live batch,
   when no k pays for the proposal; decided again when the live rows change, else every
   ``REDECIDE`` iterations) and, each drafted iteration, once the drafts are known (``choose``:
   the cap over the real drafts, the proposal's seconds sunk, the block padded to its longest row).
+  After ``PROBE_AFTER`` iterations without a verified draft it probes: asks the drafter and
+  verifies the largest budget whose pass costs at most ``PROBE_SLACK`` more than a plain one
+  (``_probe_budget``), so a verdict of "drafting does not pay" is checked again where checking is
+  cheap (measured: without probes, every suffix_global and seer draft at output length 1 being
+  rejected kept both from drafting for the rest of the step, results/LOG.md).
   Run-ahead rollouts (``tree_cache_runahead``) are admitted only into idle capacity
   (``run_ahead_rows``). The acceptance is counted per rollout call (one step of one method); the
   measured seconds make the drafts (never the tokens) depend on the machine's speed, and the
@@ -46,6 +53,9 @@ POLICIES = ("fixed", "batch_threshold", "throughput_optimal")
 CANDIDATE_BUDGETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 REDECIDE = 8  # throughput_optimal: budget() decides again when the live rows change or after this many iterations
 RUN_AHEAD_SLACK = 0.05  # throughput_optimal: run-ahead rows only while they add at most 5% to an iteration
+DECAY = 0.8  # throughput_optimal: acceptance evidence weighs this much less with every iteration (about 5 iterations' memory)
+PROBE_AFTER = 16  # throughput_optimal: after this many iterations without a verified draft, probe ...
+PROBE_SLACK = 0.25  # ... if its pass costs at most 25% more than a plain one: at most 25% / 16 = 1.6% lost if probes never pay
 
 
 @dataclass
@@ -61,10 +71,10 @@ class AcceptanceTracker:
     before any cap (longer[i]: proposals longer than i, of ``asked``).
     """
 
-    reached: list[int] = field(default_factory=list)
-    hit: list[int] = field(default_factory=list)
-    longer: list[int] = field(default_factory=list)
-    asked: int = 0
+    reached: list[float] = field(default_factory=list)  # counts, weighed down by ``decay``
+    hit: list[float] = field(default_factory=list)
+    longer: list[float] = field(default_factory=list)
+    asked: float = 0
     weight: float = 2.0  # the pooled prior's weight, in reached nodes
 
     def record(self, draft_len: int, num_accepted: int, path: Sequence[int] | None = None,
@@ -89,6 +99,15 @@ class AcceptanceTracker:
                 self.reached[i] += 1
                 if i in on:
                     self.hit[i] += 1
+
+    def decay(self, factor: float) -> None:
+        """Weigh the evidence so far by ``factor`` (once per iteration): acceptance changes
+        along a rollout (a drafter's first drafts, at a handful of output tokens, are often all
+        wrong for every row alike), and an estimate should follow it, not carry its first verdict."""
+        self.reached = [x * factor for x in self.reached]
+        self.hit = [x * factor for x in self.hit]
+        self.longer = [x * factor for x in self.longer]
+        self.asked *= factor
 
     def record_proposals(self, lengths: Sequence[int]) -> None:
         """The untruncated lengths of one iteration's proposals (one per live row)."""
@@ -211,6 +230,8 @@ class SpecPolicy:
         self._priors: dict[str, CostModel] = {}  # per drafter class: its last call's host/drafter fits
         self._who = ""
         self._last = None
+        self._idle = 0  # iterations since a draft was last verified
+        self._probe = 0  # the budget of a probe asked this iteration (0: none)
 
     def start_call(self, who: str = "") -> None:
         """A new rollout call (one step of one method); ``who`` names the drafter (its class)."""
@@ -221,6 +242,7 @@ class SpecPolicy:
         self.tracker = AcceptanceTracker()
         self.costs = prior.carried() if prior else CostModel()
         self._last = None  # (live rows, budget, iterations it has stood) of the last decision
+        self._idle = self._probe = 0
 
     def _seconds(self, rows: int, queries: Sequence[int], context: float) -> list[float]:
         scale = self.costs.scale
@@ -232,6 +254,13 @@ class SpecPolicy:
             return None
         if self.kind == "batch_threshold":
             return 0 if live_rows > self.max_rows else None
+        self._idle += 1
+        self.tracker.decay(DECAY)  # evidence ages by iterations: a verdict of long ago weighs little
+        if self._idle > PROBE_AFTER and (self._last is None or self._last[1] == 0):
+            probe = self._probe_budget(live_rows, context_mean)
+            if probe:  # fresh evidence, bought where it is cheap (the tail of a step, on most hardware)
+                self._probe, self._idle, self._last = probe, 0, None
+                return probe
         if self._last is not None and self._last[0] == live_rows and self._last[2] < REDECIDE:
             self._last = (live_rows, self._last[1], self._last[2] + 1)  # the same batch: as decided
             return self._last[1]
@@ -249,16 +278,49 @@ class SpecPolicy:
         self._last = (live_rows, ks[best], 1)
         return ks[best]
 
-    def choose(self, drafts: Sequence, context_mean: float, cap: int | None) -> int | None:
+    def _probe_budget(self, live_rows: int, context_mean: float) -> int:
+        """The largest budget (at most 8) whose pass, proposals included, costs at most
+        ``PROBE_SLACK`` more than a plain pass of the same rows (0 if none): at most one probe per
+        ``PROBE_AFTER`` iterations, so probes that never pay lose at most 25% / 16 of the passes.
+
+        Without probes a policy that once decided drafting does not pay never asks again, so
+        it never sees that the drafts got better (as the step's cache fills) or that passes got
+        cheap (few live rows): one bad first verdict (say, every row's draft at output length 1
+        rejected) would hold for the whole rollout call."""
+        ks = [k for k in CANDIDATE_BUDGETS if k <= 8]
+        secs = self._seconds(live_rows, [1 + k for k in ks], context_mean)
+        verify, host, drafter = self.costs.verify, self.costs.host(live_rows), self.costs.drafter(live_rows)
+        plain = secs[0] + verify(live_rows) + host
+        best = 0
+        for k, s in zip(ks[1:], secs[1:]):
+            if s + verify(live_rows * (1 + k)) + host + drafter <= (1 + PROBE_SLACK) * plain:
+                best = k
+        return best
+
+    def choose(self, drafts: Sequence, context_mean: float, cap: int | None,
+               counted: Sequence[bool] | None = None) -> int | None:
         """Once the drafts are known (the untruncated proposals, one per row): the cap to verify
-        (``cap``: ``budget``'s; throughput_optimal decides again over the real drafts)."""
+        (``cap``: ``budget``'s; throughput_optimal decides again over the real drafts).
+
+        ``counted``: per row, whether its proposal is evidence of how long proposals are while
+        decoding (False for a rollout's first draft, at output length 0: verified in its prefill
+        and, for most drafters, nothing like the drafts that follow; counted, such first drafts,
+        often empty, made the policy believe no proposal would be long and never ask again)."""
         if self.kind != "throughput_optimal":
             return cap
         lengths = [len(d) for d in drafts]
-        self.tracker.record_proposals(lengths)
         longest = max(lengths, default=0)
-        if longest == 0:
-            return 0
+        probe, self._probe = self._probe, 0
+        best = 0
+        if longest:
+            best = min(probe, longest) if probe else self._choose(drafts, lengths, longest, context_mean)
+        if best:
+            self._idle = 0
+        self.tracker.record_proposals(lengths if counted is None else
+                                      [n for n, c in zip(lengths, counted) if c])
+        return best
+
+    def _choose(self, drafts: Sequence, lengths: list[int], longest: int, context_mean: float) -> int:
         rows, top = len(lengths), CANDIDATE_BUDGETS[-1]
         ks = [k for k in CANDIDATE_BUDGETS if k < longest] + ([longest] if longest <= top else [])
         secs = self._seconds(rows, [1 + k for k in ks], context_mean)

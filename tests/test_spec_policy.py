@@ -138,3 +138,41 @@ def test_run_ahead_slack_does_not_compound():
     assert 1 <= first <= 8
     # with those run-ahead rows in flight, no more: the slack is measured against the trained rows
     assert policy.run_ahead_rows(4 + first, 64, 32.0, trained_rows=4) == 0
+
+
+def test_a_verdict_against_drafting_is_probed_again_where_probing_is_cheap():
+    # one live row, a pass costs 1 ms plus 10 us per token: verifying 8 more tokens is almost free
+    table = grid_table(lambda r, q, c: 1e-3 + 1e-5 * r * q)
+    policy = SpecPolicy("throughput_optimal", table=table)
+    policy.start_call("FirstDraftsWrong")
+    policy.record_iteration([(1, 1, 1)], 32.0, 1.01e-3, 0.0, 1e-4, 0.0)  # proposals cost 0.1 ms
+    for _ in range(64):
+        policy.record(1, 0)  # every row's draft at output length 1 rejected
+    decided = [policy.budget(1, 32.0) for _ in range(16)]
+    assert decided == [0] * 16  # drafting does not pay on that evidence: not even asked
+    probe = policy.budget(1, 32.0)  # the 17th idle iteration: a probe, cheap at one row
+    assert probe == 8
+    assert policy.choose([Draft(list(range(20)))], 32.0, probe) == 8  # the probe is verified as asked
+    for _ in range(3):  # the drafts are good now; each drafted iteration weighs the old verdict down
+        policy.record(8, 8)
+        policy.choose([Draft(list(range(20)))], 32.0, 8)
+    policy.record(8, 8)
+    assert policy.tracker.rate(0) > 0.5
+    assert policy.budget(2, 32.0) > 0  # a new decision drafts again
+
+
+def test_no_probe_where_a_probe_costs_its_tokens():
+    table = grid_table(lambda r, q, c: 1e-3 * r * q)  # every token costs a pass (this CPU at full batch)
+    policy = SpecPolicy("throughput_optimal", table=table)
+    policy.start_call("X")
+    for _ in range(64):
+        policy.record(1, 0)
+    assert all(policy.budget(64, 32.0) == 0 for _ in range(100))
+
+
+def test_first_drafts_do_not_count_as_proposal_lengths():
+    table = grid_table(lambda r, q, c: 1e-3)
+    policy = SpecPolicy("throughput_optimal", table=table)
+    policy.start_call("X")
+    policy.choose([Draft(), Draft([1])], 32.0, 4, counted=[False, True])
+    assert policy.tracker.asked == 1 and policy.tracker.longer_than(0) == pytest.approx(2 / 2)
