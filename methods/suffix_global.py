@@ -3,7 +3,8 @@
     python -m pytest tests/test_drafters.py -q -k suffix_global
 
 As ArcticInference's ``SuffixDecodingCache`` does: ``start`` gives the request a trie of its own
-prompt and a slot in the global trie, evicting the oldest cached response (FIFO) when more than
+prompt (built at its first proposal from the context so far: the same trie, never paid for by a
+request that does not propose) and a slot in the global trie, evicting the oldest cached response (FIFO) when more than
 ``max_cached_responses`` are held, running ones counted; every ``observe`` appends the new tokens
 to both (``add_active_response``), so other requests draft from a response while it is being
 generated; at ``finish`` the own trie is dropped and the response stays cached until evicted. Both
@@ -49,7 +50,8 @@ class SuffixGlobalDrafter(NullDrafter):
         self.global_trie = make_tree(self.backend, max_depth)
         self._cached: deque[int] = deque()  # global sequence ids, oldest first
         self._next_seq = 0
-        self._own: dict[RolloutKey, SuffixTrie] = {}
+        # a request's own trie, or its context (prompt + output) as a list until it first proposes
+        self._own: dict[RolloutKey, SuffixTrie | list[int]] = {}
         self._matchers: dict[RolloutKey, ContextMatcher] = {}  # in_flight=False only
         self._prompt_len: dict[RolloutKey, int] = {}
         self._active: dict[RolloutKey, int] = {}  # in_flight: running key -> its global sequence id
@@ -72,9 +74,7 @@ class SuffixGlobalDrafter(NullDrafter):
         self._owner.clear()
 
     def start(self, key: RolloutKey, prompt: Sequence[int]) -> None:
-        own = make_tree(self.backend, self.max_depth)
-        own.extend(OWN, prompt)
-        self._own[key] = own
+        self._own[key] = list(prompt)  # the trie is built at the first proposal (_own_tree)
         self._prompt_len[key] = len(prompt)
         if not self.in_flight:
             if not self._native:  # the native call takes the context itself
@@ -104,7 +104,10 @@ class SuffixGlobalDrafter(NullDrafter):
         own = self._own.get(key)
         if own is None or not new_tokens:
             return
-        own.extend(OWN, new_tokens)
+        if type(own) is list:
+            own.extend(new_tokens)
+        else:
+            own.extend(OWN, new_tokens)
         if not self.in_flight:
             if not self._native:
                 self._matchers[key].feed(new_tokens)
@@ -125,7 +128,7 @@ class SuffixGlobalDrafter(NullDrafter):
         this request's tokens as they arrive (in-flight insertion).
         """
         self._proposals += 1
-        own = self._own.get(key)
+        own = self._own_tree(key)
         limit = min(self.max_spec_tokens, budget)
         if own is None or limit <= 0:
             return Draft()
@@ -161,6 +164,17 @@ class SuffixGlobalDrafter(NullDrafter):
         own_spec = own.speculate(own.own_matches(OWN)[:longest], *args)
         global_spec = self.global_trie.speculate(self._global_matches(key, own)[:longest], *args)
         return self._pick(own_spec, global_spec)
+
+    def _own_tree(self, key: RolloutKey) -> SuffixTrie | None:
+        """The request's own trie, built on first use from the context held so far: a request that
+        never proposes (a fed rollout of a sparse trace, a row the speculation policy never asks)
+        never pays for one. Built in one call or token by token, it is the same trie."""
+        own = self._own.get(key)
+        if type(own) is list:
+            tokens, own = own, make_tree(self.backend, self.max_depth)
+            own.extend(OWN, tokens)
+            self._own[key] = own
+        return own
 
     def _pick(self, own_spec, global_spec) -> Draft:
         """The global draft only on a strictly higher score."""
@@ -214,8 +228,9 @@ class SuffixGlobalDrafter(NullDrafter):
         return {
             "cached_responses": len(self._cached),
             "global_nodes": self.global_trie.num_nodes,
-            "own_tries": len(self._own),
-            "cache_bytes": self.global_trie.approx_bytes() + sum(t.approx_bytes() for t in self._own.values()),
+            "own_tries": sum(type(t) is not list for t in self._own.values()),
+            "cache_bytes": self.global_trie.approx_bytes() + sum(8 * len(t) if type(t) is list else t.approx_bytes()
+                                                                 for t in self._own.values()),
             "proposals": self._proposals,
             "drafts": self._drafts,
             "draft_tokens": self._draft_tokens,
