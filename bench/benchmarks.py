@@ -172,19 +172,21 @@ class TimedDrafter:
         return getattr(self.inner, name)
 
 
-def drafter_cost(trace_name: str = "countdown", steps: int = 12, backend: str | None = None,
+def drafter_cost(trace_name: str = "countdown-search", steps: int = 12, backend: str | None = None,
                  match: str | None = None, methods=None) -> list[dict]:
-    """Replays the first ``steps`` steps with every exact method and reports the share of the
-    rollout wall time spent in the drafter (the harness must not be drafter-bound), with the
-    tokens per forward pass (output tokens / each rollout's passes, DESIGN.md section 5) and the
-    batch's forward passes (engine iterations). ``backend`` / ``match`` override those knobs of
-    the methods that have them (the suffix-tree backend, the match rule); ``methods`` keeps
-    only those configs (default: every exact method without run-ahead)."""
+    """Replays the first ``steps`` checkpoint steps with every exact method and reports the share
+    of the rollout wall time spent in the drafter (the harness must not be drafter-bound), with
+    the tokens per forward pass (output tokens / each rollout's passes, DESIGN.md section 5) and
+    the batch's forward passes (engine iterations). A sparse trace (the main job's default) is
+    replayed as the main job does: the rollouts-only steps before a checkpoint are fed to the
+    drafter first (``bench.replay.feed_recorded``, not timed). ``backend`` / ``match`` override
+    those knobs of the methods that have them (the suffix-tree backend, the match rule);
+    ``methods`` keeps only those configs (default: every exact method without run-ahead)."""
     from pathlib import Path as _P
     from omegaconf import OmegaConf
     import hydra.utils
     from .record import ensure_trace
-    from .replay import step_requests
+    from .replay import feed_recorded, step_requests
     from .trace import Trace
     trace = Trace.load(ensure_trace(trace_name, tiny=trace_name.endswith("tiny")))
     conf = _P(__file__).resolve().parent.parent / "conf" / "method"
@@ -200,7 +202,11 @@ def drafter_cost(trace_name: str = "countdown", steps: int = 12, backend: str | 
                 mcfg.drafter[knob] = value
         drafter = TimedDrafter(hydra.utils.instantiate(mcfg.drafter))
         wall, tokens, passes, iterations = 0.0, 0, 0, 0
+        previous = None
         for step in trace.step_numbers[:steps]:
+            for fed in trace.fed_steps(previous, step):
+                feed_recorded(drafter.inner, trace, fed)  # the untimed history of a sparse trace
+            previous = step
             eng.load(trace.checkpoint(step))
             drafter.begin_step(step)
             t = time.perf_counter()
@@ -696,7 +702,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["engine-vs-hf", "oracle", "suffix-tree", "drafter-cost", "near-ties",
                                       "identity", "simulate-scale", "policies"])
-    ap.add_argument("--trace", default="countdown", help="drafter-cost, policies: the trace to replay")
+    ap.add_argument("--trace", default=None, help="drafter-cost, policies: the trace to replay "
+                    "(drafter-cost: countdown-search, the main job's; policies: countdown)")
     ap.add_argument("--trace-path", default=None, help="policies: a trace folder to replay (trace.path)")
     ap.add_argument("--batch-sizes", default="all,4",
                     help="policies: live-batch caps, comma-separated ('all' = the whole step at once)")
@@ -735,7 +742,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     if args.which == "policies":
         from .policy_bench import policy_speedups, summary
-        rows = policy_speedups(steps=args.steps if args.steps != 12 else 8, trace=args.trace,
+        rows = policy_speedups(steps=args.steps if args.steps != 12 else 8, trace=args.trace or "countdown",
                                batch_sizes=tuple(args.batch_sizes.split(",")), trace_path=args.trace_path,
                                repeats=args.repeats_policies)
         _print(rows)
@@ -750,7 +757,7 @@ def main(argv=None) -> None:
         return _print(suffix_tree_cost())
     if args.which == "drafter-cost":
         chosen = args.methods.split(",") if args.methods != ",".join(SCALE_METHODS) else None
-        return _print(drafter_cost(args.trace, args.steps, backend=args.backend, match=args.match, methods=chosen))
+        return _print(drafter_cost(args.trace or "countdown-search", args.steps, backend=args.backend, match=args.match, methods=chosen))
     if args.which == "identity":
         return _print(exact_identity(dtype=args.dtype, device=args.device))
     if args.which == "simulate-scale":
