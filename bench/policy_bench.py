@@ -1,7 +1,7 @@
 """Speculation policies side by side: each method's speedup over the baseline under every policy.
 
     python -m bench.benchmarks policies [--steps 8] [--batch-sizes all,4] [--trace countdown] [--repeats 1]
-    python -m bench.benchmarks policies --trace countdown_search --batch-sizes all   # the long-tailed trace
+    python -m bench.benchmarks policies --trace countdown_search --batch-sizes all --repeats-policies 3   # the main job
 
 One run of the main job's exact methods per (policy, live-batch cap), each with its own baseline
 in the same run (so every speedup is a ratio measured side by side), collected into one table.
@@ -21,7 +21,8 @@ import pandas as pd
 
 POLICIES = (("fixed", []), ("batch_threshold", ["engine.spec_max_rows=32"]),
             ("throughput_optimal", ["engine.latency_table=auto"]))
-METHODS = ("baseline", "prefix_reuse_exact", "tree_cache", "history_spec", "hybrid", "das", "seer")
+METHODS = ("baseline", "prefix_reuse", "prefix_reuse_exact", "tree_cache", "tree_cache_tree", "tree_cache_runahead",
+           "history_spec", "suffix_global", "hybrid", "das", "seer")  # the main job's
 
 
 def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=METHODS, trace: str = "countdown",
