@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("profile", help="time forward passes over a grid on this machine (torch_ref)")
-    p.add_argument("--checkpoint", help="HF checkpoint dir (default: the bundled trace's last checkpoint)")
+    p.add_argument("--checkpoint", help="HF checkpoint dir (default: the last checkpoint of the main job's trace, countdown-search)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -317,7 +317,7 @@ def _run(args: argparse.Namespace) -> None:
             if ckpt is None:
                 from .record import ensure_trace
                 from .trace import Trace
-                trace = Trace.load(ensure_trace("countdown"))
+                trace = Trace.load(ensure_trace("countdown-search"))
                 ckpt = trace.checkpoint(trace.step_numbers[-1])
             engine = TorchRefEngine(device=args.device, dtype=args.dtype, threads=args.threads)
             engine.load(ckpt)

@@ -325,7 +325,7 @@ def test_suffix_global_drafts_equal_the_native_released_cache():
         running[req] = (key, prompt, [], rng.randrange(5, 40))
         for r, (rk, rprompt, output, length) in list(running.items()):
             theirs_own, theirs_global = native.speculate(r, k)
-            own = ours._own[rk]
+            own = ours._own_tree(rk)  # built at the first proposal; build it now to compare
             longest = min(len(rprompt) + len(output), depth) - 1  # the native stops one short of the pattern
             mine_own = own.speculate(own.own_matches(OWN)[:longest], k, 1.0, 0.0, 0.1)
             global_matches = ours._global_matches(rk, own)[:longest]
