@@ -166,6 +166,9 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
             if m.run_ahead and next_step is not None:
                 run_ahead = RunAheadQueue(run_ahead_requests(trace, step, next_step, n))
             gc.collect()  # a collector pause belongs to no method's clock
+            warm_up = getattr(engine, "warm_up", None)  # engines whose first pass after other work is slow
+            if warm_up is not None:
+                warm_up(requests, sampling)
             t0 = time.perf_counter()
             rollouts = engine.rollout(requests, sampling, drafter, m.verify, run_ahead=run_ahead)
             wall = time.perf_counter() - t0

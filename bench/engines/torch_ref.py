@@ -16,12 +16,12 @@ from __future__ import annotations
 import inspect
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from methods.base import Draft, Drafter, Rollout
+from methods.base import Draft, Drafter, NullDrafter, Rollout
 
 from ..drafting import DraftCounters, drafter_mode, next_draft, report_live, settle
 from ..sampling import SamplingConfig
@@ -166,6 +166,13 @@ class TorchRefEngine:
         self.model = self._base = None
 
     # ------------------------------------------------------------------ rollouts
+    def warm_up(self, requests: list[Request], sampling: SamplingConfig) -> None:
+        """One untimed prefill of ``requests`` (one token each, no drafter) right before a timed
+        rollout call: whatever ran since the last pass (a drafter fed 77 recorded steps, a
+        collection) has left the caches cold, and the first pass of a unit measured up to 3x the
+        warm one's seconds (results/LOG.md), a cost no method's clock should carry."""
+        self.rollout(list(requests), replace(sampling, max_new_tokens=1), NullDrafter(), VerifyConfig())
+
     def rollout(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
                 verify: VerifyConfig, run_ahead: RunAheadSource | None = None) -> list[Rollout]:
         if self.model is None or self.info is None:
