@@ -253,3 +253,23 @@ def test_multirun_sweep_of_two_methods_gives_two_runs_collect_merges(tmp_path, l
     table = col.table.set_index("method")
     assert set(table.index) == {"baseline", "tree_cache"}
     assert table.loc["tree_cache", "speedup"] > 0  # computed against the other run's baseline
+
+
+def test_each_timed_unit_starts_after_an_untimed_warm_up(tmp_path, monkeypatch):
+    # torch_ref's warm_up (a one-token prefill of the step's requests) runs right before every
+    # timed unit, after the drafter's feed: its pass is not on any method's clock, and it emits
+    # nothing into the results
+    calls = []
+    original = TorchRefEngine.warm_up
+
+    def spy(self, requests, sampling):
+        calls.append(len(requests))
+        return original(self, requests, sampling)
+
+    monkeypatch.setattr(TorchRefEngine, "warm_up", spy)
+    run_dir = run(cfg_for("method=[baseline,tree_cache]", "max_steps=3", f"results_root={tmp_path}"))
+    _, _, rows, steps = load_run(run_dir)
+    assert len(calls) == len(steps) == 6  # 3 steps x 2 methods
+    per_unit = rows.groupby(["step", "method"]).size()  # the warm-up's rollouts are not among them
+    assert sorted(calls) == sorted(per_unit)
+    assert (rows["output_tokens"].map(len) > 1).any()  # the timed units kept their own max_new_tokens
