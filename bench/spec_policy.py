@@ -20,9 +20,10 @@ tests/test_spec_policy.py).
   scales it to the machine's speed now (the measured forward seconds over the table's, this
   rollout call); ``verify`` is the verifier's seconds, linear in the nodes it reads; ``host`` the
   rest of an iteration, paid whether or not it drafts (bookkeeping, the drafter's ``observe``,
-  dropping finished rows), and ``drafter`` the drafter's proposal seconds (paid only when it is
-  asked), both linear in the live rows. The three are fitted to this rollout call's iteration log
-  (per method: each drafter class's fits of its previous call are the prior). A row's expected
+  dropping finished rows), and ``drafter`` the seconds of asking (the drafter's proposals and
+  this policy's choice over them, paid only when it is asked), both linear in the live rows.
+  The three are fitted to this rollout call's iteration log (per method: each drafter class's
+  fits of its previous call are the prior). A row's expected
   tokens are the bonus plus the running acceptance of each draft node given its parent was
   accepted, multiplied along the draft (``AcceptanceTracker``; every iteration weighs the evidence
   before it by ``DECAY``, so the estimate follows the rollout), times the chance that its

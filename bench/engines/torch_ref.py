@@ -279,8 +279,9 @@ class TorchRefEngine:
         else:
             report_live(drafter, [(row.request.key, len(row.output)) for row in rows])
             drafts = [next_draft(drafter, row.request.key, row.output, sampling.max_new_tokens) for row in rows]
-            drafter_s = self._propose_s = time.perf_counter() - t_d
+            drafter_s = time.perf_counter() - t_d
             cap = self.policy.choose(drafts, self._context_mean, cap, [bool(row.output) for row in rows])
+            self._propose_s = time.perf_counter() - t_d  # what asking cost: the proposals and the choice over them
             if cap is not None:
                 drafts = [d.truncated(cap) for d in drafts]
         verdicts: list = [None] * len(rows)
