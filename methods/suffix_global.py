@@ -4,8 +4,8 @@
 
 As ArcticInference's ``SuffixDecodingCache`` does: ``start`` gives the request a trie of its own
 prompt (built at its first proposal from the context so far: the same trie, never paid for by a
-request that does not propose) and a slot in the global trie, evicting the oldest cached response (FIFO) when more than
-``max_cached_responses`` are held, running ones counted; every ``observe`` appends the new tokens
+request that does not propose) and a slot in the global trie, evicting the oldest cached
+response (FIFO) when more than ``max_cached_responses`` are held, running ones counted; every ``observe`` appends the new tokens
 to both (``add_active_response``), so other requests draft from a response while it is being
 generated; at ``finish`` the own trie is dropped and the response stays cached until evicted. Both
 tries are asked with SuffixDecoding's rule (best score over match lengths) on the request's
