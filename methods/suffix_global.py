@@ -4,14 +4,14 @@
 
 As ArcticInference's ``SuffixDecodingCache`` does: ``start`` gives the request a trie of its own
 prompt (built at its first proposal from the context so far: the same trie, never paid for by a
-request that does not propose) and a slot in the global trie, evicting the oldest cached
-response (FIFO) when more than ``max_cached_responses`` are held, running ones counted; every ``observe`` appends the new tokens
-to both (``add_active_response``), so other requests draft from a response while it is being
-generated; at ``finish`` the own trie is dropped and the response stays cached until evicted. Both
-tries are asked with SuffixDecoding's rule (best score over match lengths) on the request's
-context (prompt + output) and the global draft wins only on a strictly higher score. As in the
-native tree, match lengths stop one short of the pattern (the context's last ``max_depth``
-tokens), so a context shorter than the depth is never matched whole.
+request that does not propose) and a slot in the global trie, evicting the oldest cached response
+(FIFO) when more than ``max_cached_responses`` are held, running ones counted; every ``observe``
+appends the new tokens to both (``add_active_response``), so other requests draft from a response
+while it is being generated; at ``finish`` the own trie is dropped and the response stays cached
+until evicted. Both tries are asked with SuffixDecoding's rule (best score over match lengths) on
+the request's context (prompt + output) and the global draft wins only on a strictly higher score.
+As in the native tree, match lengths stop one short of the pattern (the context's last
+``max_depth`` tokens), so a context shorter than the depth is never matched whole.
 ``in_flight=False`` is the suite's earlier control: responses enter the global trie only when
 they finish. SRT reports that a global cache slowed DAPO rollouts down: it is the negative
 control for per-prompt trees.
