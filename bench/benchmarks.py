@@ -708,7 +708,11 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-sizes", default="all,4",
                     help="policies: live-batch caps, comma-separated ('all' = the whole step at once)")
     ap.add_argument("--repeats-policies", type=int, default=1,
-                    help="policies: runs of every configuration, policies rotated (median speedup)")
+                    help="policies: runs of every configuration, policies and methods rotated (median speedup)")
+    ap.add_argument("--policies", default=None,
+                    help="policies: only these (comma-separated: fixed, batch_threshold, throughput_optimal)")
+    ap.add_argument("--no-control", action="store_true",
+                    help="policies: leave out baseline_again (the baseline a second time: the noise floor)")
     ap.add_argument("--steps", type=int, default=12, help="drafter-cost: steps to replay")
     ap.add_argument("--backend", default=None, choices=["auto", "python", "native"],
                     help="drafter-cost, suffix-tree --live-rows: the tree drafters' backend knob (default: each config's)")
@@ -744,7 +748,8 @@ def main(argv=None) -> None:
         from .policy_bench import policy_speedups, summary
         rows = policy_speedups(steps=args.steps if args.steps != 12 else 8, trace=args.trace or "countdown",
                                batch_sizes=tuple(args.batch_sizes.split(",")), trace_path=args.trace_path,
-                               repeats=args.repeats_policies)
+                               repeats=args.repeats_policies, control=not args.no_control,
+                               policies=None if args.policies is None else tuple(args.policies.split(",")))
         _print(rows)
         return print("\nspeedup over the baseline of the same run, by policy:\n" + summary(rows).to_string())
     if args.which == "suffix-tree":

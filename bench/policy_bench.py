@@ -1,13 +1,16 @@
 """Speculation policies side by side: each method's speedup over the baseline under every policy.
 
-    python -m bench.benchmarks policies [--steps 8] [--batch-sizes all,4] [--trace countdown] [--repeats 1]
+    python -m bench.benchmarks policies [--steps 8] [--batch-sizes all,4] [--trace countdown] [--repeats-policies 1]
     python -m bench.benchmarks policies --trace countdown_search --batch-sizes all --repeats-policies 3   # the main job
+    python -m bench.benchmarks policies --trace countdown_search --batch-sizes all --policies throughput_optimal --repeats-policies 12
 
 One run of the main job's exact methods per (policy, live-batch cap), each with its own baseline
 in the same run (so every speedup is a ratio measured side by side), collected into one table.
-``--repeats N`` runs every configuration N times, the policies in a rotated order each round (a
-slow spell of a shared machine then hits a different policy each time), and reports the median
-speedup. ``throughput_optimal`` uses the engine's latency table of this machine (profiled once,
+``--repeats-policies N`` runs every configuration N times, the policies and the methods in a
+rotated order each round (a slow spell of a shared machine then hits a different one each time),
+and reports the median speedup and, from three repeats, its inter-quartile range. Every run also
+replays the baseline a second time as ``baseline_again``: its speedup is the noise floor of the
+same runs (``--no-control`` leaves it out). ``--policies`` picks some of the three. ``throughput_optimal`` uses the engine's latency table of this machine (profiled once,
 cached). ``--trace-path DIR`` replays a trace folder instead of the named trace's cache.
 """
 from __future__ import annotations
@@ -18,33 +21,56 @@ import tempfile
 from pathlib import Path
 
 import pandas as pd
+from tqdm import tqdm
 
 POLICIES = (("fixed", []), ("batch_threshold", ["engine.spec_max_rows=32"]),
             ("throughput_optimal", ["engine.latency_table=auto"]))
 METHODS = ("baseline", "prefix_reuse", "prefix_reuse_exact", "tree_cache", "tree_cache_tree", "tree_cache_runahead",
            "history_spec", "suffix_global", "hybrid", "das", "seer")  # the main job's
+CONTROL = "baseline_again"  # the baseline a second time, under another name: its speedup is the run's noise floor
+CONTROL_OVERRIDE = (f"+method.{CONTROL}={{name:{CONTROL},drafter:{{_target_:methods.baseline.Baseline}},"
+                    "verify:{rule:exact,lenience:1.0},run_ahead:false}")
+
+
+def rotated(items: tuple, shift: int) -> list:
+    """``items`` rotated left by ``shift``: each repeat starts the list at another place, so no
+    policy (or method: the replay runs a step's methods in list order, itself rotated by step)
+    always runs in the same position of a run."""
+    shift %= max(len(items), 1)
+    return list(items[shift:] + items[:shift])
 
 
 def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=METHODS, trace: str = "countdown",
-                    trace_path: str | None = None, repeats: int = 1) -> list[dict]:
+                    trace_path: str | None = None, repeats: int = 1, policies: tuple[str, ...] | None = None,
+                    control: bool = True) -> list[dict]:
+    """One row per (repeat, live-batch cap, policy, method): the speedup over the baseline of the
+    same run. ``control`` adds ``baseline_again`` (an A/A pair: its spread over the repeats is
+    what the machine's noise alone does to a speedup)."""
     from .collect import collect
+    chosen = tuple(p for p in POLICIES if policies is None or p[0] in policies)
+    if not chosen:
+        raise ValueError(f"policies: none of {policies} is one of {[p for p, _ in POLICIES]}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for rep in range(repeats):
+        for rep in tqdm(range(repeats), desc="policies", unit="repeat"):
             for batch in batch_sizes:
-                order = POLICIES[rep % len(POLICIES):] + POLICIES[:rep % len(POLICIES)]
-                for policy, extra in order:
+                for policy, extra in rotated(chosen, rep):
                     root = Path(tmp) / f"{policy}-{batch}-{rep}"
-                    cmd = [sys.executable, "-m", "bench.cli", f"trace={trace}", f"method=[{','.join(methods)}]",
+                    cmd = [sys.executable, "-m", "bench.cli", f"trace={trace}",
+                           f"method=[{','.join(rotated(tuple(methods), rep))}]",
                            f"engine.spec_policy={policy}", *extra, f"results_root={root}",
                            "plots=false", "progress=false", "predict=[]"]
+                    if control:
+                        cmd.append(CONTROL_OVERRIDE)
                     if steps:
                         cmd.append(f"max_steps={steps}")
                     if trace_path:
                         cmd.append(f"trace.path={trace_path}")
                     if batch != "all":
                         cmd.append(f"engine.max_batch_size={batch}")
-                    subprocess.run(cmd, check=True, capture_output=True, text=True)
+                    done = subprocess.run(cmd, capture_output=True, text=True)
+                    if done.returncode:
+                        raise RuntimeError(f"policies: {' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
                     table = collect([root], progress=False).table
                     for r in table.itertuples():
                         rows.append({"live_rows": batch, "policy": policy, "repeat": rep, "method": r.method,
@@ -54,7 +80,18 @@ def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=MET
 
 
 def summary(rows: list[dict]) -> pd.DataFrame:
-    """speedup by (live rows, method) x policy (the median over repeats)."""
+    """speedup by (live rows, method) x policy: the median over repeats, and with more than two
+    repeats its inter-quartile range beside it (``policy q25-q75``)."""
     frame = pd.DataFrame(rows)
-    return frame.pivot_table(index=["live_rows", "method"], columns="policy", values="speedup",
-                             aggfunc="median").round(3)
+    med = frame.pivot_table(index=["live_rows", "method"], columns="policy", values="speedup", aggfunc="median")
+    if frame["repeat"].nunique() < 3:
+        return med.round(3)
+    q25 = frame.pivot_table(index=["live_rows", "method"], columns="policy", values="speedup",
+                            aggfunc=lambda x: x.quantile(0.25))
+    q75 = frame.pivot_table(index=["live_rows", "method"], columns="policy", values="speedup",
+                            aggfunc=lambda x: x.quantile(0.75))
+    out = pd.DataFrame(index=med.index)
+    for policy in med.columns:
+        out[policy] = med[policy].round(3)
+        out[f"{policy} q25-q75"] = [f"{a:.3f}-{b:.3f}" for a, b in zip(q25[policy], q75[policy])]
+    return out

@@ -13,16 +13,19 @@ tests/test_spec_policy.py).
 - ``throughput_optimal``: the k that maximises expected tokens per second (vLLM's dynamic
   speculation chooses k the same way), where an iteration's seconds are what it costs whole:
 
-      seconds(k) = s * table(rows, 1 + k, context) + verify(nodes) + host(rows) + [k > 0] * drafter(rows)
+      seconds(0) = s * table(rows, 1, context) + verify(rows) + host(rows)
+      seconds(k) = s' * table(rows, 1 + k, context) + verify(nodes) + host'(rows) + drafter(rows)
 
   ``table`` is the latency table of this engine and model (its forward pass: the block and its
   mask, the model, the output layer on the verified nodes; ``bench.engines.torch_timing``); ``s``
-  scales it to the machine's speed now (the measured forward seconds over the table's, this
-  rollout call); ``verify`` is the verifier's seconds, linear in the nodes it reads; ``host`` the
-  rest of an iteration, paid whether or not it drafts (bookkeeping, the drafter's ``observe``,
-  dropping finished rows), and ``drafter`` the seconds of asking (the drafter's proposals and
-  this policy's choice over them, paid only when it is asked), both linear in the live rows.
-  The three are fitted to this rollout call's iteration log (per method: each drafter class's
+  scales it to the machine's speed now (the measured forward seconds of plain passes over the
+  table's, this rollout call) and ``s'`` the same for passes that verify drafts (these run further
+  above the table on a core the drafter shares); ``verify`` is the verifier's seconds, linear in
+  the nodes it reads; ``host`` the rest of an iteration (bookkeeping, the drafter's ``observe``,
+  dropping finished rows) and ``host'`` the same in iterations that verify drafts, and
+  ``drafter`` the seconds of asking (the drafter's proposals and this policy's choice over them,
+  paid only when it is asked), each linear in the live rows (``CostModel``).
+  They are fitted to this rollout call's iteration log (per method: each drafter class's
   fits of its previous call are the prior). A row's expected
   tokens are the bonus plus the running acceptance of each draft node given its parent was
   accepted, multiplied along the draft (``AcceptanceTracker``; every iteration weighs the evidence
@@ -57,6 +60,8 @@ RUN_AHEAD_SLACK = 0.05  # throughput_optimal: run-ahead rows only while they add
 DECAY = 0.8  # throughput_optimal: acceptance evidence weighs this much less with every iteration (about 5 iterations' memory)
 PROBE_AFTER = 16  # throughput_optimal: after this many iterations without a verified draft, probe ...
 PROBE_SLACK = 0.25  # ... if its pass costs at most 25% more than a plain one: at most 25% / 16 = 1.6% lost if probes never pay
+PLAIN_PRIOR_PASSES = 8  # throughput_optimal: the last call's plain-pass scale weighs as much as this many passes
+SPEC_PRIOR_PASSES = 4  # throughput_optimal: the carried drafted-pass scale weighs as much as this many passes
 
 
 @dataclass
@@ -195,22 +200,62 @@ class LinearFit:
 
 @dataclass
 class CostModel:
-    """What an iteration costs beyond the table: the table's scale now, the verifier's seconds by
-    nodes, the host seconds paid every iteration and the drafter's proposal seconds by rows."""
+    """What an iteration costs beyond the table: the table's scale now (one for plain passes, one
+    for passes that verify drafts), the verifier's seconds by nodes, the host seconds of an
+    iteration (plain, and with drafts verified) and the drafter's proposal seconds by rows.
 
-    measured: float = 0.0  # forward seconds measured, and the table's seconds for the same passes
+    Why two of each: on a machine where the policy shares a core with the drafter, a pass that
+    verifies drafts runs further above the table than a plain one (measured on this CPU: 0.87-1.19
+    of the table against 0.70-0.81 for plain passes of the same run, results/LOG.md), and an
+    iteration that verified drafts spends more host time (longer emitted lists, KV slot moves, the
+    drafter's ``observe`` of them); one scale and one host fit for both, dominated by the many
+    plain iterations, made drafting look cheaper than it is."""
+
+    measured: float = 0.0  # forward seconds of plain passes measured, and the table's seconds for them
     predicted: float = 0.0
+    passes: int = 0
+    prior: float = 1.0  # plain passes' scale before this call's evidence (the engine's last call's)
+    spec_measured: float = 0.0  # the same for passes that verified drafts
+    spec_predicted: float = 0.0
+    spec_passes: int = 0
+    spec_prior: float = 1.0  # drafted passes' scale over the plain one, before this call's evidence
     verify: LinearFit = field(default_factory=LinearFit)
     host: LinearFit = field(default_factory=LinearFit)
+    spec_host: LinearFit = field(default_factory=LinearFit)
     drafter: LinearFit = field(default_factory=LinearFit)
 
     @property
     def scale(self) -> float:
-        return self.measured / self.predicted if self.predicted > 0 and self.measured > 0 else 1.0
+        """Plain passes: the measured forward seconds over the table's, this call, shrunk towards
+        ``prior`` by ``PLAIN_PRIOR_PASSES`` pseudo-passes. A policy that drafts in most iterations
+        sees few plain passes, and the first of a call run cold (1.6-1.7x the later ones, measured):
+        on those alone a plain pass looked as dear as a drafted one."""
+        if self.predicted <= 0 or self.measured <= 0:
+            return self.prior
+        n = self.passes
+        return (n * self.measured / self.predicted + PLAIN_PRIOR_PASSES * self.prior) / (n + PLAIN_PRIOR_PASSES)
 
-    def carried(self) -> "CostModel":
-        """The prior of the next call of the same method: the fits, not the machine's scale."""
-        return CostModel(verify=_copy(self.verify), host=_copy(self.host), drafter=_copy(self.drafter))
+    @property
+    def spec_scale(self) -> float:
+        """Passes that verify drafts: their own ratio, shrunk towards ``spec_prior`` x the plain
+        scale by ``SPEC_PRIOR_PASSES`` pseudo-passes (the carried ratio of the drafter's last call)."""
+        prior = self.spec_prior * self.scale
+        if self.spec_predicted <= 0 or self.spec_measured <= 0:
+            return prior
+        n = self.spec_passes
+        return (n * self.spec_measured / self.spec_predicted + SPEC_PRIOR_PASSES * prior) / (n + SPEC_PRIOR_PASSES)
+
+    def host_for(self, rows: float, drafting: bool) -> float:
+        """Host seconds of an iteration of ``rows``; one that verifies drafts uses its own fit once
+        it has evidence (the plain one before)."""
+        return self.spec_host(rows) if drafting and self.spec_host.n else self.host(rows)
+
+    def carried(self, prior: float = 1.0) -> "CostModel":
+        """The prior of the next call of the same method: the fits and the drafted passes' ratio
+        to plain ones; the plain scale's prior ``prior`` is the engine's (any method's last call)."""
+        ratio = self.spec_scale / self.scale if self.spec_passes else self.spec_prior
+        return CostModel(prior=prior, spec_prior=ratio, verify=_copy(self.verify), host=_copy(self.host),
+                         spec_host=_copy(self.spec_host), drafter=_copy(self.drafter))
 
 
 class SpecPolicy:
@@ -229,6 +274,7 @@ class SpecPolicy:
         self.tracker = AcceptanceTracker()
         self.costs = CostModel()
         self._priors: dict[str, CostModel] = {}  # per drafter class: its last call's host/drafter fits
+        self._plain_prior = 1.0  # the plain passes' scale of the last call that logged enough of them
         self._who = ""
         self._last = None
         self._idle = 0  # iterations since a draft was last verified
@@ -241,13 +287,32 @@ class SpecPolicy:
         self._who = who
         prior = self._priors.get(who)
         self.tracker = AcceptanceTracker()
-        self.costs = prior.carried() if prior else CostModel()
+        self.costs = prior.carried(self._plain_prior) if prior else CostModel(prior=self._plain_prior)
         self._last = None  # (live rows, budget, iterations it has stood) of the last decision
         self._idle = self._probe = 0
 
+    def learn_plain_speed(self, iteration_log: Sequence[dict]) -> None:
+        """The plain passes' scale prior of the next calls, from a finished call's iteration log
+        (``TorchRefEngine.last_iteration_log``; the engine reads it in its untimed ``warm_up``, so
+        the baseline's passes, which no policy times, count too): the measured forward seconds of
+        its one-token-a-row passes (not its first) over the table's, once it has
+        ``PLAIN_PRIOR_PASSES`` of them."""
+        if self.kind != "throughput_optimal" or not hasattr(self.table, "query_seconds"):
+            return
+        plain = [c for c in iteration_log if c["iteration"] > 0 and c["block_tokens"] == c["rows"]
+                 and not c["draft_tokens"] and c["forward_s"] > 0]
+        if len(plain) < PLAIN_PRIOR_PASSES:
+            return
+        measured = sum(c["forward_s"] for c in plain)
+        predicted = sum(self.table.query_seconds(c["rows"], [1], c["context_sum"] / c["rows"])[0] for c in plain)
+        if predicted > 0:
+            self._plain_prior = measured / predicted
+
     def _seconds(self, rows: int, queries: Sequence[int], context: float) -> list[float]:
-        scale = self.costs.scale
-        return [s * scale for s in self.table.query_seconds(rows, queries, context)]
+        """The table's seconds of passes of ``rows`` x each query width, scaled to now: a width
+        of one by the plain passes' scale, wider ones (verifying drafts) by the drafted passes'."""
+        plain, spec = self.costs.scale, self.costs.spec_scale
+        return [s * (plain if q <= 1 else spec) for q, s in zip(queries, self.table.query_seconds(rows, queries, context))]
 
     def budget(self, live_rows: int, context_mean: float) -> int | None:
         """Before drafting: the cap for this iteration (0: do not ask the drafter)."""
@@ -267,13 +332,14 @@ class SpecPolicy:
             return self._last[1]
         ks = list(CANDIDATE_BUDGETS)
         secs = self._seconds(live_rows, [1 + k for k in ks], context_mean)
-        host, drafter, verify = self.costs.host(live_rows), self.costs.drafter(live_rows), self.costs.verify
+        host, spec_host = self.costs.host(live_rows), self.costs.host_for(live_rows, True)
+        drafter, verify = self.costs.drafter(live_rows), self.costs.verify
         nodes, tokens = [0.0], [1.0]  # a row's expected real nodes beyond its root and tokens, by budget
         for i, r in enumerate(self.tracker.chain_reach(ks[-1])):
             p = self.tracker.longer_than(i)
             nodes.append(nodes[-1] + p)
             tokens.append(tokens[-1] + p * r)
-        rates = [live_rows * tokens[k] / (s + verify(live_rows * (1 + nodes[k])) + host + (drafter if k else 0.0))
+        rates = [live_rows * tokens[k] / (s + verify(live_rows * (1 + nodes[k])) + (spec_host + drafter if k else host))
                  for k, s in zip(ks, secs)]
         best = max(range(len(ks)), key=lambda i: (rates[i], -ks[i]))
         self._last = (live_rows, ks[best], 1)
@@ -290,11 +356,12 @@ class SpecPolicy:
         rejected) would hold for the whole rollout call."""
         ks = [k for k in CANDIDATE_BUDGETS if k <= 8]
         secs = self._seconds(live_rows, [1 + k for k in ks], context_mean)
-        verify, host, drafter = self.costs.verify, self.costs.host(live_rows), self.costs.drafter(live_rows)
-        plain = secs[0] + verify(live_rows) + host
+        verify, drafter = self.costs.verify, self.costs.drafter(live_rows)
+        plain = secs[0] + verify(live_rows) + self.costs.host(live_rows)
+        spec_host = self.costs.host_for(live_rows, True)
         best = 0
         for k, s in zip(ks[1:], secs[1:]):
-            if s + verify(live_rows * (1 + k)) + host + drafter <= (1 + PROBE_SLACK) * plain:
+            if s + verify(live_rows * (1 + k)) + spec_host + drafter <= (1 + PROBE_SLACK) * plain:
                 best = k
         return best
 
@@ -325,7 +392,7 @@ class SpecPolicy:
         rows, top = len(lengths), CANDIDATE_BUDGETS[-1]
         ks = [k for k in CANDIDATE_BUDGETS if k < longest] + ([longest] if longest <= top else [])
         secs = self._seconds(rows, [1 + k for k in ks], context_mean)
-        host = self.costs.host(rows)
+        host, spec_host = self.costs.host(rows), self.costs.host_for(rows, True)
         rates = self.tracker.rates(min(longest, top))
         chain = [0.0]  # cumulative expected accepted of a chain, by its length
         r = 1.0
@@ -352,7 +419,7 @@ class SpecPolicy:
                 m = min(k, n)
                 tokens += chain[m] if cum is None else cum[m]
                 nodes += m
-            rate = tokens / (s + self.costs.verify(nodes) + host)
+            rate = tokens / (s + self.costs.verify(nodes) + (spec_host if k else host))
             if rate > best_rate:  # ties keep the smaller k
                 best, best_rate = k, rate
         return best
@@ -387,19 +454,34 @@ class SpecPolicy:
         if draft_len and self.kind == "throughput_optimal":  # the only policy that reads acceptance
             self.tracker.record(draft_len, num_accepted, path, parents)
 
-    def record_iteration(self, calls: Sequence[tuple[int, int, int]], context_mean: float, forward_s: float,
+    def record_iteration(self, calls: Sequence[tuple[int, int, int, float, str]], context_mean: float,
                          verify_s: float, propose_s: float | None, host_s: float) -> None:
-        """One iteration's measured seconds: its forward calls ``(rows, padded width, real nodes)``,
-        their forward and verifier seconds, the drafter's proposals (None: not asked) and the rest."""
+        """One iteration's measured seconds: its forward calls ``(rows, padded width, real nodes,
+        forward seconds, kind)``, the verifier's seconds, the drafter's proposals (None: not asked)
+        and the rest of the iteration (host). ``kind`` is ``plain`` (one token a row), ``drafted``
+        (drafts verified) or ``prefill`` (prompt tokens in the block: its seconds say nothing of
+        decoding (measured: a unit's first pass ran at 4-6x the table, results/LOG.md), so neither
+        the scales nor the host fit read an iteration with one)."""
         if self.kind != "throughput_optimal" or not calls:
             return
-        self.costs.measured += forward_s
-        self.costs.predicted += sum(self.table.query_seconds(r, [q], context_mean)[0] for r, q, _ in calls)
-        rows = sum(r for r, _, _ in calls)
-        self.costs.verify.add(sum(n for _, _, n in calls), verify_s)
-        self.costs.host.add(rows, host_s)
+        costs = self.costs
+        if any(c[4] == "prefill" for c in calls):
+            return
+        for r, q, _, forward_s, kind in calls:
+            table_s = self.table.query_seconds(r, [q], context_mean)[0]
+            if kind == "drafted":
+                costs.spec_measured += forward_s
+                costs.spec_predicted += table_s
+                costs.spec_passes += 1
+            else:
+                costs.measured += forward_s
+                costs.predicted += table_s
+                costs.passes += 1
+        rows = sum(c[0] for c in calls)
+        costs.verify.add(sum(c[2] for c in calls), verify_s)
+        (costs.spec_host if any(c[4] == "drafted" for c in calls) else costs.host).add(rows, host_s)
         if propose_s is not None:
-            self.costs.drafter.add(rows, propose_s)
+            costs.drafter.add(rows, propose_s)
 
 
 def _copy(fit: LinearFit) -> LinearFit:

@@ -2,10 +2,10 @@
 
     python -m pytest tests/test_drafters.py -q -k history_spec
 
-Responses finished during a visit (a step) are collected; at the prompt's next visit (the first
-``start`` of that prompt in a later step) the trie is rebuilt from them alone and stays static
-while the visit runs. Each response is its own sequence ``[START] + response``, so a draft stops
-where a response ended. The draft length per rollout starts at ``min_spec_tokens``, doubles (up
+Responses finished during a visit (a step) are collected; at the next ``begin_step`` (or, for a
+caller that never calls it, the prompt's first ``start`` in a later step) the prompt's trie is
+rebuilt from them alone and stays static while its next visit runs. Each response is its own
+sequence ``[START] + response``, so a draft stops where a response ended. The draft length per rollout starts at ``min_spec_tokens``, doubles (up
 to ``max_spec_tokens``) after a draft that was accepted whole, and halves otherwise; acceptance
 is read from ``observe`` (accepted draft tokens followed by one sampled token).
 
@@ -58,9 +58,14 @@ class HistorySpecDrafter(NullDrafter):
         self._shrink = 0
 
     def begin_step(self, step: int) -> None:
+        """A new step: every prompt's trie of a finished visit is rebuilt now, between steps (off a
+        rollout's clock, as RhymeRL builds its history between steps), not at the prompt's first
+        ``start`` (measured: 7.7 ms of a 0.7 s step of the main job, results/LOG.md)."""
         self._step = step
         self._length.clear()
         self._last_draft.clear()
+        for prompt_id in [p for p, (visit, _) in self._collected.items() if visit < step]:
+            self._rebuild_if_new_visit(prompt_id)
 
     def _rebuild_if_new_visit(self, prompt_id: str) -> None:
         collected = self._collected.get(prompt_id)

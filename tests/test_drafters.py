@@ -162,6 +162,8 @@ def test_history_spec_uses_only_the_last_visit_and_stays_static():
     assert d.propose(P1, [1, 2, 3], 16) == Draft()
     d.finish(P1, rollout(P1, [1, 2, 3, 9, 9, 9]))
     d.begin_step(1)
+    # the tries are rebuilt between steps, before any rollout of the next one starts (off its clock)
+    assert d.stats()["prompts"] == 1 and d.stats()["collected_responses"] == 0
     d.start(P0, [0])
     # pattern [START, 1, 2, 3] (length 4) hits: 4 and 9 follow once each, 4 inserted first;
     # the AIMD length starts at 2

@@ -97,7 +97,7 @@ def test_throughput_optimal_drafts_where_it_pays_and_not_where_drafting_costs_mo
     assert policy.budget(1, 32.0) > 0
     # a drafter whose proposals cost 1 ms per row never pays at 64 rows: it is not even asked
     for rows in (64, 60, 56):
-        policy.record_iteration([(rows, 1, rows)], 32.0, table.seconds([rows], [1], [32])[0], 0.0, 1e-3 * rows, 0.0)
+        policy.record_iteration([(rows, 1, rows, table.seconds([rows], [1], [32])[0], "plain")], 32.0, 0.0, 1e-3 * rows, 0.0)
     assert policy.budget(64, 32.0) == 0
     # the fits carry over to the next call of the same drafter, not to another one
     policy.start_call("Other")
@@ -145,7 +145,7 @@ def test_a_verdict_against_drafting_is_probed_again_where_probing_is_cheap():
     table = grid_table(lambda r, q, c: 1e-3 + 1e-5 * r * q)
     policy = SpecPolicy("throughput_optimal", table=table)
     policy.start_call("FirstDraftsWrong")
-    policy.record_iteration([(1, 1, 1)], 32.0, 1.01e-3, 0.0, 1e-4, 0.0)  # proposals cost 0.1 ms
+    policy.record_iteration([(1, 1, 1, 1.01e-3, "plain")], 32.0, 0.0, 1e-4, 0.0)  # proposals cost 0.1 ms
     for _ in range(64):
         policy.record(1, 0)  # every row's draft at output length 1 rejected
     decided = [policy.budget(1, 32.0) for _ in range(16)]
@@ -176,3 +176,67 @@ def test_first_drafts_do_not_count_as_proposal_lengths():
     policy.start_call("X")
     policy.choose([Draft(), Draft([1])], 32.0, 4, counted=[False, True])
     assert policy.tracker.asked == 1 and policy.tracker.longer_than(0) == pytest.approx(2 / 2)
+
+
+def test_drafted_passes_and_their_host_seconds_are_scaled_on_their_own():
+    # every extra query token costs 0.9 of a row's plain pass: with every node accepted, verifying
+    # 64 more tokens gives 65 tokens for 58.6 passes' seconds, about 11% more tokens per second
+    table = grid_table(lambda r, q, c: 1e-3 * r * (1 + 0.9 * (q - 1)), query=(1, 2, 5, 9, 17, 33, 65))
+    policy = SpecPolicy("throughput_optimal", table=table)
+    policy.start_call("Chains")
+    for _ in range(200):
+        policy.record(64, 64)
+    policy.record_iteration([(4, 1, 4, table.seconds([4], [1], [32])[0], "plain")], 32.0, 0.0, None, 0.0)
+    # a prefill (prompt tokens in the block) at 5x the table is not evidence of decoding's speed
+    policy.record_iteration([(4, 11, 44, 5 * table.seconds([4], [9], [32])[0], "prefill")], 32.0, 0.0, None, 1.0)
+    assert policy.costs.scale == pytest.approx(1.0) and policy.costs.host.n == 1
+    assert policy.budget(4, 32.0) > 0  # plain passes on the table and no drafted pass seen yet: it pays
+    # drafted passes measured at 1.5x the table while plain ones stay on it: drafting loses 25%
+    for _ in range(20):
+        policy.record_iteration([(4, 9, 36, 1.5 * table.seconds([4], [9], [32])[0], "drafted")], 32.0, 0.0, 0.0, 0.0)
+    assert policy.costs.scale == pytest.approx(1.0)
+    assert policy.costs.spec_scale == pytest.approx((20 * 1.5 + 4 * 1.0) / 24)
+    assert policy.budget(5, 32.0) == 0
+    # the next call of the same drafter starts from that ratio, another drafter's from 1
+    policy.start_call("Chains")
+    assert policy.costs.spec_prior == pytest.approx((20 * 1.5 + 4) / 24)
+    policy.start_call("Other")
+    assert policy.costs.spec_scale == 1.0
+
+
+def test_host_seconds_of_iterations_that_verify_drafts_count_against_drafting():
+    table = grid_table(lambda r, q, c: 1e-3 + 1e-5 * r * q)  # verifying more is almost free ...
+    policy = SpecPolicy("throughput_optimal", table=table)
+    policy.start_call("Chains")
+    for _ in range(200):
+        policy.record(8, 4)
+    plain = table.seconds([16], [1], [32])[0]
+    assert policy.budget(16, 32.0) == 4  # 4 of 8 accepted: 5 tokens a row for 1.55x a plain pass
+    for rows in (16, 15, 14):  # ... but an iteration that verified drafts spent 10 ms more on the host
+        policy.record_iteration([(rows, 1, rows, plain, "plain")], 32.0, 0.0, None, 0.0)
+        policy.record_iteration([(rows, 9, 9 * rows, table.seconds([rows], [9], [32])[0], "drafted")], 32.0,
+                                0.0, 0.0, 10e-3)
+    assert policy.costs.host(16) == 0.0 and policy.costs.host_for(16, True) == pytest.approx(10e-3, rel=0.01)
+    assert policy.budget(13, 32.0) == 0
+
+
+def test_plain_pass_scale_starts_from_the_last_logged_call():
+    table = grid_table(lambda r, q, c: 1e-3 * r)
+    policy = SpecPolicy("throughput_optimal", table=table)
+    t = table.seconds([4], [1], [32])[0]
+    # a finished call's log (any method's, the baseline's too): a prefill, then plain passes at half the table
+    log = [{"iteration": 0, "rows": 4, "block_tokens": 44, "draft_tokens": 0, "context_sum": 0, "forward_s": 1.0}]
+    log += [{"iteration": i, "rows": 4, "block_tokens": 4, "draft_tokens": 0, "context_sum": 128,
+             "forward_s": 0.5 * t} for i in range(1, 11)]
+    log.append({"iteration": 11, "rows": 4, "block_tokens": 20, "draft_tokens": 16, "context_sum": 128,
+                "forward_s": 9.0})  # a drafted pass: not plain
+    policy.learn_plain_speed(log)
+    policy.start_call("B")
+    assert policy.costs.scale == pytest.approx(0.5)
+    # two cold first passes at 1.6x the table move it only part of the way
+    for _ in range(2):
+        policy.record_iteration([(4, 1, 4, 1.6 * t, "plain")], 32.0, 0.0, None, 0.0)
+    assert policy.costs.scale == pytest.approx((2 * 1.6 + 8 * 0.5) / 10)
+    policy.learn_plain_speed(log[:5])  # too few plain passes to say: the prior stays
+    policy.start_call("C")
+    assert policy.costs.scale == pytest.approx(0.5)

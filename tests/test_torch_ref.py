@@ -207,6 +207,14 @@ def test_forward_groups_split_only_when_padding_is_wasted():
     assert _forward_groups([9, 10, 10, 11], min_tokens=1) == [[0, 1, 2, 3]]
     # a small block is never split: a second call costs more than the padding
     assert _forward_groups([1, 1, 1, 9]) == [[0, 1, 2, 3]]
+    # with a latency table the seconds decide: a pass costing 1.3 ms plus 10 us a token (this CPU's
+    # small model) is never worth splitting; one costing 1 us a token is, where padding is most of it
+    overhead = lambda rows, width: 1.3e-3 + 1e-5 * rows * width  # noqa: E731
+    assert _forward_groups([1] * 25 + [3] * 7, seconds=overhead) == [list(range(32))]
+    assert _forward_groups([1, 1, 1, 25], seconds=overhead) == [[0, 1, 2, 3]]
+    per_token = lambda rows, width: 1e-6 * rows * width  # noqa: E731
+    assert _forward_groups([1, 1, 1, 25], seconds=per_token) == [[0, 1, 2], [3]]
+    assert _forward_groups([9, 10, 10, 11], seconds=per_token) == [[0, 1, 2, 3]]
 
 
 def test_split_forward_passes_give_the_same_tokens(engine64, monkeypatch):

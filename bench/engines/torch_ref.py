@@ -31,6 +31,7 @@ from .base import Request, RunAheadSource, request_key64
 from .checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
 from .kv_slots import SlotKVCache
 
+SPLIT_SAVING = 0.1  # two forward passes instead of one only where the latency table says they cost 10% less
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 
@@ -170,7 +171,10 @@ class TorchRefEngine:
         """One untimed prefill of ``requests`` (one token each, no drafter) right before a timed
         rollout call: whatever ran since the last pass (a drafter fed 77 recorded steps, a
         collection) has left the caches cold, and the first pass of a unit measured up to 3x the
-        warm one's seconds (results/LOG.md), a cost no method's clock should carry."""
+        warm one's seconds (results/LOG.md), a cost no method's clock should carry. Also off the
+        clock: the speculation policy reads the last call's plain passes as its prior of the
+        machine's speed now (``SpecPolicy.learn_plain_speed``)."""
+        self.policy.learn_plain_speed(self.last_iteration_log)
         self.rollout(list(requests), replace(sampling, max_new_tokens=1), NullDrafter(), VerifyConfig())
 
     def rollout(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
@@ -238,8 +242,10 @@ class TorchRefEngine:
                 self._log_iteration(calls, drafter_s, total_s)
                 fwd, ver = sum(c["forward_s"] for c in calls), sum(c["verify_s"] for c in calls)
                 if self.policy.kind == "throughput_optimal" and not self._never_drafts:
-                    shapes = [(c["rows"], c["block_tokens"] // c["rows"], c["query_tokens"]) for c in calls]
-                    self.policy.record_iteration(shapes, self._context_mean, fwd, ver, self._propose_s,
+                    shapes = [(c["rows"], c["block_tokens"] // c["rows"], c["query_tokens"], c["forward_s"],
+                               "prefill" if prefill else "drafted" if c["draft_tokens"] else "plain")
+                              for c, prefill in zip(calls, self._prefill_calls)]
+                    self.policy.record_iteration(shapes, self._context_mean, ver, self._propose_s,
                                                  total_s - fwd - ver - (self._propose_s or 0.0))
                 if rows and not waiting and all(r.request.run_ahead for r in rows):
                     for row in rows:  # the main batch is done: run-ahead rollouts are aborted
@@ -287,7 +293,9 @@ class TorchRefEngine:
         verdicts: list = [None] * len(rows)
         calls = []
         sizes = [len(r.pending) + len(d) for r, d in zip(rows, drafts)]
-        for group in _forward_groups(sizes):
+        table = self.policy.table if hasattr(self.policy.table, "query_seconds") else None  # None, "auto" before load
+        by_table = None if table is None else (lambda r, q: table.query_seconds(r, [q], self._context_mean)[0])
+        for group in _forward_groups(sizes, seconds=by_table):
             t_f = time.perf_counter()
             g_rows, g_drafts = [rows[i] for i in group], [drafts[i] for i in group]
             block = _Block.build(g_rows, g_drafts, cache, self.device, self.dtype)
@@ -307,6 +315,7 @@ class TorchRefEngine:
                           "block_tokens": int(block.input_ids.numel()), "context_sum": sum(ctx),
                           "context_max": max(ctx), "draft_tokens": sum(len(d) for d in g_drafts),
                           "draft_budget": -1 if cap is None else cap, "group": group,
+                          "prefill": any(len(rows[i].pending) > 1 for i in group),
                           "forward_s": t_v - t_f + head_s[0], "verify_s": time.perf_counter() - t_v - head_s[0]})
         now = time.perf_counter() - t0
         accepted = [0] * len(rows)
@@ -345,6 +354,7 @@ class TorchRefEngine:
                 src[b, :len(s)] = torch.tensor(s)
                 dst[b, :len(t)] = torch.tensor(t)
             cache.move_slots(src.to(self.device), dst.to(self.device))
+        self._prefill_calls = [call.pop("prefill") for call in calls]  # prompt tokens in the block (policy only)
         for call in calls:
             call["accepted_tokens"] = sum(accepted[i] for i in call.pop("group"))
         return calls, drafter_s
@@ -479,25 +489,37 @@ def _on(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...
     return tensors if device.type == "cpu" else tuple(t.to(device) for t in tensors)
 
 
-def _forward_groups(sizes: list[int], min_saving: float = 0.3, min_tokens: int = 64) -> list[list[int]]:
+def _forward_groups(sizes: list[int], min_saving: float = 0.3, min_tokens: int = 64,
+                    seconds=None) -> list[list[int]]:
     """Rows of one iteration split into one or two forward passes.
 
-    A block is padded to its longest row, so a few long drafts make every row pay for them; when
-    splitting the rows by block size at the best cut saves at least ``min_saving`` of the padded
-    tokens (and the block is big enough for a second call to pay off), two passes are run.
-    Example: sizes [1, 1, 1, 25] -> [[0, 1, 2], [3]] (28 tokens instead of 100).
+    A block is padded to its longest row, so a few long drafts make every row pay for them. With
+    ``seconds(rows, width)`` (the latency table of this engine and model, as the speculation
+    policy has it) two passes are run when they cost at least ``SPLIT_SAVING`` less than one by
+    that table: on a CPU running a small model a pass costs about as much for 1 as for 3 tokens a
+    row, so two passes cost twice one (measured: a 32-row iteration split 25 + 7 took 3.3 ms
+    against 1.5 ms unsplit, results/LOG.md). Without a table, by tokens: when splitting the rows by
+    block size at the best cut saves at least ``min_saving`` of the padded tokens (and the block is
+    big enough for a second call to pay off). Example, by tokens: sizes [1, 1, 1, 25] ->
+    [[0, 1, 2], [3]] (28 tokens instead of 100).
     """
     n, longest = len(sizes), max(sizes)
-    if n < 2 or n * longest < min_tokens:
+    if n < 2 or (seconds is None and n * longest < min_tokens):
         return [list(range(n))]
     order = sorted(range(n), key=sizes.__getitem__)
     ranked = [sizes[i] for i in order]
-    best, cut = n * longest, 0
-    for c in range(1, n):
-        cost = c * ranked[c - 1] + (n - c) * longest
-        if ranked[c] != ranked[c - 1] and cost < best:
-            best, cut = cost, c
-    if not cut or best > (1 - min_saving) * n * longest:
+    cuts = [c for c in range(1, n) if ranked[c] != ranked[c - 1]]
+    if not cuts:
+        return [list(range(n))]
+    if seconds is None:
+        whole = n * longest
+        best, cut = min((c * ranked[c - 1] + (n - c) * longest, c) for c in cuts)
+        limit = (1 - min_saving) * whole
+    else:
+        whole = seconds(n, longest)
+        best, cut = min((seconds(c, ranked[c - 1]) + seconds(n - c, longest), c) for c in cuts)
+        limit = (1 - SPLIT_SAVING) * whole
+    if best > limit:
         return [list(range(n))]
     return [sorted(order[:cut]), sorted(order[cut:])]
 
