@@ -25,8 +25,11 @@ tests/test_spec_policy.py).
   dropping finished rows) and ``host'`` the same in iterations that verify drafts, and
   ``drafter`` the seconds of asking (the drafter's proposals and this policy's choice over them,
   paid only when it is asked), each linear in the live rows (``CostModel``).
-  They are fitted to this rollout call's iteration log (per method: each drafter class's
-  fits of its previous call are the prior). A row's expected
+  They are fitted to this rollout call's iteration log (each drafter's fits of its previous
+  call are the prior; the replay keeps one drafter per method). Prefills are no evidence of
+  decoding's speed, and the plain passes' scale starts from the plain passes of the engine's
+  last call (``learn_plain_speed``, read in the engine's untimed warm-up). First drafts
+  (``choose_first``) are decided apart, on their own acceptance. A row's expected
   tokens are the bonus plus the running acceptance of each draft node given its parent was
   accepted, multiplied along the draft (``AcceptanceTracker``; every iteration weighs the evidence
   before it by ``DECAY``, so the estimate follows the rollout), times the chance that its
@@ -61,6 +64,7 @@ DECAY = 0.8  # throughput_optimal: acceptance evidence weighs this much less wit
 PROBE_AFTER = 16  # throughput_optimal: after this many iterations without a verified draft, probe ...
 PROBE_SLACK = 0.25  # ... if its pass costs at most 25% more than a plain one: at most 25% / 16 = 1.6% lost if probes never pay
 PLAIN_PRIOR_PASSES = 8  # throughput_optimal: the last call's plain-pass scale weighs as much as this many passes
+FIRST_DECAY = 0.5  # throughput_optimal: first drafts' acceptance of earlier calls weighs half as much each call
 SPEC_PRIOR_PASSES = 4  # throughput_optimal: the carried drafted-pass scale weighs as much as this many passes
 
 
@@ -273,7 +277,9 @@ class SpecPolicy:
         self.kind, self.max_rows, self.table = kind, max_rows, table
         self.tracker = AcceptanceTracker()
         self.costs = CostModel()
-        self._priors: dict[str, CostModel] = {}  # per drafter class: its last call's host/drafter fits
+        self._priors: dict[str, CostModel] = {}  # per drafter (``who``): its last call's host/drafter fits
+        self.first = AcceptanceTracker()  # first drafts' acceptance: carried between calls of a drafter
+        self._first_priors: dict[str, AcceptanceTracker] = {}
         self._plain_prior = 1.0  # the plain passes' scale of the last call that logged enough of them
         self._who = ""
         self._last = None
@@ -281,12 +287,16 @@ class SpecPolicy:
         self._probe = 0  # the budget of a probe asked this iteration (0: none)
 
     def start_call(self, who: str = "") -> None:
-        """A new rollout call (one step of one method); ``who`` names the drafter (its class)."""
+        """A new rollout call (one step of one method); ``who`` names the drafter (the engine: its
+        class and identity, so two methods of one class, say prefix_reuse under the lossy and the
+        exact rule, keep their evidence apart)."""
         if self._who:
             self._priors[self._who] = self.costs
+            self._first_priors[self._who] = self.first
         self._who = who
         prior = self._priors.get(who)
         self.tracker = AcceptanceTracker()
+        self.first = _aged(self._first_priors.get(who), FIRST_DECAY)
         self.costs = prior.carried(self._plain_prior) if prior else CostModel(prior=self._plain_prior)
         self._last = None  # (live rows, budget, iterations it has stood) of the last decision
         self._idle = self._probe = 0
@@ -388,6 +398,46 @@ class SpecPolicy:
                                       [n for n, c in zip(lengths, counted) if c])
         return best
 
+    @property
+    def first_drafts_decided(self) -> bool:
+        """Whether this policy decides first drafts itself (``choose_first``), so that an iteration
+        with new rows asks the drafter even when ``budget`` said 0 for the decoding rows."""
+        return self.kind == "throughput_optimal"
+
+    def choose_first(self, drafts: Sequence, rows: int, pending: int, context_mean: float,
+                     cap: int | None) -> int | None:
+        """The cap of the first drafts (rollouts at output length 0), verified inside their rows'
+        prefill: a pass of ``rows`` rows ``pending`` tokens wide (the longest prompt), plus k.
+
+        SPEC-RL's whole gain is one such draft (the previous rollout), so throughput_optimal
+        weighs them on their own: the k that maximises the prefill's tokens per second, from the
+        acceptance of this drafter's earlier first drafts (``first``: carried between its calls,
+        aged by ``FIRST_DECAY`` each call; 1/2 a node before any), never the decoding drafts'.
+        Other policies: ``cap`` (``budget``'s), as for any draft."""
+        if self.kind != "throughput_optimal":
+            return cap
+        lengths = [len(d) for d in drafts]
+        longest = max(lengths, default=0)
+        if not longest:
+            return 0
+        top = CANDIDATE_BUDGETS[-1] * 64  # a first draft may be a whole rollout
+        ks = sorted({k for k in (0, *CANDIDATE_BUDGETS, *(2 ** i for i in range(7, 13))) if k < longest}
+                    | {min(longest, top)})
+        reach = self.first.chain_reach(ks[-1])
+        chain = [0.0]
+        for r in reach:
+            chain.append(chain[-1] + r)
+        secs = self.table.query_seconds(rows, [pending + k for k in ks], context_mean)
+        host = self.costs.host(rows)
+        best, best_rate = 0, -1.0
+        for k, s in zip(ks, secs):
+            tokens = rows + sum(chain[min(k, n)] for n in lengths)
+            nodes = rows + sum(min(k, n) for n in lengths)  # what the verifier reads: each row's root, the drafts
+            rate = tokens / (s * self.costs.spec_scale + self.costs.verify(nodes) + host)
+            if rate > best_rate:  # ties keep the smaller k
+                best, best_rate = k, rate
+        return best
+
     def _choose(self, drafts: Sequence, lengths: list[int], longest: int, context_mean: float) -> int:
         rows, top = len(lengths), CANDIDATE_BUDGETS[-1]
         ks = [k for k in CANDIDATE_BUDGETS if k < longest] + ([longest] if longest <= top else [])
@@ -450,9 +500,11 @@ class SpecPolicy:
         return lo
 
     def record(self, draft_len: int, num_accepted: int, path: Sequence[int] | None = None,
-               parents: Sequence[int] | None = None) -> None:
+               parents: Sequence[int] | None = None, first: bool = False) -> None:
+        """One verified draft; ``first``: a rollout's first draft, verified in its prefill (counted
+        apart: for most drafters nothing like the drafts that follow)."""
         if draft_len and self.kind == "throughput_optimal":  # the only policy that reads acceptance
-            self.tracker.record(draft_len, num_accepted, path, parents)
+            (self.first if first else self.tracker).record(draft_len, num_accepted, path, parents)
 
     def record_iteration(self, calls: Sequence[tuple[int, int, int, float, str]], context_mean: float,
                          verify_s: float, propose_s: float | None, host_s: float) -> None:
@@ -482,6 +534,16 @@ class SpecPolicy:
         (costs.spec_host if any(c[4] == "drafted" for c in calls) else costs.host).add(rows, host_s)
         if propose_s is not None:
             costs.drafter.add(rows, propose_s)
+
+
+def _aged(tracker: AcceptanceTracker | None, factor: float) -> AcceptanceTracker:
+    """A copy of ``tracker`` with its evidence weighed by ``factor`` (a new one for None)."""
+    if tracker is None:
+        return AcceptanceTracker()
+    out = AcceptanceTracker(list(tracker.reached), list(tracker.hit), list(tracker.longer), tracker.asked,
+                            tracker.weight)
+    out.decay(factor)
+    return out
 
 
 def _copy(fit: LinearFit) -> LinearFit:

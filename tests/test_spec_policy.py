@@ -240,3 +240,29 @@ def test_plain_pass_scale_starts_from_the_last_logged_call():
     policy.learn_plain_speed(log[:5])  # too few plain passes to say: the prior stays
     policy.start_call("C")
     assert policy.costs.scale == pytest.approx(0.5)
+
+
+def test_first_drafts_are_weighed_on_their_own_acceptance_carried_between_calls():
+    # a prefill of 8 rows x 10 prompt tokens; every extra token of the block costs 1% of it
+    table = grid_table(lambda r, q, c: 1e-3 * r * (10 + 0.1 * q), query=(1, 5, 25, 125, 625))
+    policy = SpecPolicy("throughput_optimal", table=table)
+    policy.start_call("Reuse")
+    long = [Draft(list(range(100))) for _ in range(8)]
+    first = policy.choose_first(long, 8, 10, 10.0, None)
+    assert 0 < first < 100  # no evidence yet (1/2 a node): a short first draft, not the whole one
+    for _ in range(8):
+        policy.record(first, first, first=True)  # ... all accepted
+    policy.record(4, 0)  # a decoding draft rejected: no bearing on first drafts
+    assert policy.first.rate(0) > 0.9 and policy.tracker.rate(0) < 0.5
+    policy.start_call("Reuse")  # the next step: longer first drafts are worth verifying
+    second = policy.choose_first(long, 8, 10, 10.0, None)
+    assert second > first
+    for _ in range(8):
+        policy.record(second, second, first=True)
+    policy.start_call("Reuse")
+    assert policy.choose_first(long, 8, 10, 10.0, None) == 100  # and then the whole previous rollout
+    policy.start_call("Other")  # another drafter starts from nothing
+    assert policy.choose_first(long, 8, 10, 10.0, None) < 100
+    # other policies leave first drafts to budget's cap
+    assert SpecPolicy("fixed").choose_first(long, 8, 10, 10.0, None) is None
+    assert SpecPolicy("batch_threshold").choose_first(long, 8, 10, 10.0, 0) == 0

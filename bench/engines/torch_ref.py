@@ -196,7 +196,7 @@ class TorchRefEngine:
         cache = SlotKVCache(capacity=1)
         self.last_iterations = 0  # forward passes of this call (what steps.parquet records)
         self.last_iteration_log = []
-        self.policy.start_call(type(drafter).__name__)
+        self.policy.start_call(f"{type(drafter).__name__}@{id(drafter):x}")  # one drafter per method in a replay
         self._never_drafts = drafter_mode(drafter) == "baseline"  # no policy work for a drafter that never drafts
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -277,19 +277,24 @@ class TorchRefEngine:
         self._context_mean = sum(contexts) / len(rows)
         never = self._never_drafts and self.policy.kind != "fixed"
         cap = 0 if never else self.policy.budget(len(rows), self._context_mean)
+        first = [not row.output for row in rows]  # a first draft is verified in its row's prefill
         t_d = time.perf_counter()
-        if cap == 0:  # the policy drafts nothing now: the drafter is not even asked (nor told the live batch:
-            drafts = [Draft() for _ in rows]  # begin_iteration precedes an iteration's proposals, here none)
-            drafter_s = time.perf_counter() - t_d
+        if cap == 0 and not (any(first) and self.policy.first_drafts_decided and not never):
+            drafts = [Draft() for _ in rows]  # the policy drafts nothing now: the drafter is not even asked (nor
+            drafter_s = time.perf_counter() - t_d  # told the live batch: begin_iteration precedes proposals, here none)
             self._propose_s = None
         else:
             report_live(drafter, [(row.request.key, len(row.output)) for row in rows])
             drafts = [next_draft(drafter, row.request.key, row.output, sampling.max_new_tokens) for row in rows]
             drafter_s = time.perf_counter() - t_d
-            cap = self.policy.choose(drafts, self._context_mean, cap, [bool(row.output) for row in rows])
+            if cap != 0:  # asked for the first drafts only when budget said 0: the others stay undrafted
+                cap = self.policy.choose([d for d, f in zip(drafts, first) if not f], self._context_mean, cap)
+            first_cap = self.policy.choose_first([d for d, f in zip(drafts, first) if f], len(rows),
+                                                 max(len(r.pending) for r in rows), self._context_mean, cap)
             self._propose_s = time.perf_counter() - t_d  # what asking cost: the proposals and the choice over them
-            if cap is not None:
-                drafts = [d.truncated(cap) for d in drafts]
+            if cap is not None or first_cap is not None:
+                drafts = [d if c is None else d.truncated(c) for d, c in
+                          zip(drafts, (first_cap if f else cap for f in first))]
         verdicts: list = [None] * len(rows)
         calls = []
         sizes = [len(r.pending) + len(d) for r, d in zip(rows, drafts)]
@@ -331,10 +336,10 @@ class TorchRefEngine:
             if kept.n < len(emitted):
                 emitted, lps, mgs = emitted[:kept.n], lps[:kept.n], mgs[:kept.n]
             accepted[b] = kept.accepted
-            if self.policy.kind == "throughput_optimal" and len(d) and len(row.output):  # a first draft (output
-                # length 0, verified in the prefill) is no evidence for the drafts of decoding
+            if self.policy.kind == "throughput_optimal" and len(d):  # a first draft (output length 0, verified
+                # in the prefill) is no evidence for the drafts of decoding: it has a tracker of its own
                 self.policy.record(len(d), accepted[b], None if d.parents is None else
-                                   [j - 1 for j in v.path[1:1 + accepted[b]]], d.parents)
+                                   [j - 1 for j in v.path[1:1 + accepted[b]]], d.parents, first=not row.output)
             if not row.output:
                 row.first_t = now
             row.output += emitted
