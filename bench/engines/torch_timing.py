@@ -26,14 +26,20 @@ from .torch_ref import TorchRefEngine, _Block, _Row
 AUTO_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 AUTO_QUERY = (1, 2, 3, 5, 9, 17, 25)
 AUTO_CONTEXT = (32, 256)
-TIMING_VERSION = 3  # bump when what a timed pass covers changes: cached tables are profiled again
+TIMING_VERSION = 4  # bump when what a timed pass covers changes: cached tables are profiled again
 AUTO_REPEATS = 5
 
 
 def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], context: int,
                  repeats: int = 5) -> dict[int, list[float]]:
-    """Seconds of ``repeats`` forward passes for each query width over one prefilled context
-    (after one untimed warm-up round of every width; widths interleaved): {query: [seconds, ...]}."""
+    """Seconds of ``repeats`` forward passes for each query width over one prefilled context,
+    each width's passes one after another after an untimed one: {query: [seconds, ...]}.
+
+    Back to back, not interleaved: an engine decoding plain passes repeats one shape, and a
+    table of passes that each followed another shape put plain passes 20-40% above what the
+    engine then measured (``predict``'s median error on the main job 12-17% with interleaved
+    widths, 5.3-5.4% in a run of each, results/LOG.md). A burst of load now hits several
+    repeats of one width; the fastest repeat (``robust_seconds``) still discounts it."""
     width = max(queries)
     gen = torch.Generator().manual_seed(rows * 1_000_003 + context)
     vocab = engine.model.config.vocab_size
@@ -47,13 +53,13 @@ def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], cont
         for row in live:
             row.cached, row.pending = context - 1, [row.pending[-1]]
         drafts = {q: [Draft(toks[context:context + q - 1]) for toks in tokens] for q in queries}
-        for rep in range(repeats + 1):  # widths interleaved: a burst of load from other jobs hits
-            for query in queries:       # one repeat of several widths, not every repeat of one
+        for query in queries:  # each width's passes in a run of their own, as decoding repeats a shape:
+            for rep in range(repeats + 1):  # interleaved, every pass followed another shape and ran cold
                 t = time.perf_counter()  # each pass rewrites the same slots past the context
                 _forward(engine, live, drafts[query], cache)
                 if engine.device.type == "cuda":
                     torch.cuda.synchronize()
-                if rep:  # the first round is the warm-up
+                if rep:  # the first pass of each width is its warm-up
                     out.setdefault(query, []).append(time.perf_counter() - t)
     return out
 
