@@ -10,8 +10,9 @@ in the same run (so every speedup is a ratio measured side by side), collected i
 rotated order each round (a slow spell of a shared machine then hits a different one each time),
 and reports the median speedup and, from three repeats, its inter-quartile range. Every run also
 replays the baseline a second time as ``baseline_again``: its speedup is the noise floor of the
-same runs (``--no-control`` leaves it out). ``--policies`` picks some of the three. ``throughput_optimal`` uses the engine's latency table of this machine (profiled once,
-cached). ``--trace-path DIR`` replays a trace folder instead of the named trace's cache.
+same runs (``--no-control`` leaves it out). ``--policies`` picks some of the three.
+``throughput_optimal`` uses the engine's latency table of this machine (profiled once, cached).
+``--trace-path DIR`` replays a trace folder instead of the named trace's cache.
 """
 from __future__ import annotations
 

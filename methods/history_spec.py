@@ -5,9 +5,10 @@
 Responses finished during a visit (a step) are collected; at the next ``begin_step`` (or, for a
 caller that never calls it, the prompt's first ``start`` in a later step) the prompt's trie is
 rebuilt from them alone and stays static while its next visit runs. Each response is its own
-sequence ``[START] + response``, so a draft stops where a response ended. The draft length per rollout starts at ``min_spec_tokens``, doubles (up
-to ``max_spec_tokens``) after a draft that was accepted whole, and halves otherwise; acceptance
-is read from ``observe`` (accepted draft tokens followed by one sampled token).
+sequence ``[START] + response``, so a draft stops where a response ended. The draft length per
+rollout starts at ``min_spec_tokens``, doubles (up to ``max_spec_tokens``) after a draft that was
+accepted whole, and halves otherwise; acceptance is read from ``observe`` (accepted draft tokens
+followed by one sampled token).
 
 ``backend`` (``auto`` | ``python`` | ``native`` | ``trie``): the tries are arctic-inference's
 native suffix trees where that is installed (``auto``; the first hit is found with forced
