@@ -138,8 +138,11 @@ def _bracket(x: np.ndarray, axis: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # ------------------------------------------------------------------ profiling
 
 def profile(engine, rows: Sequence[int] = DEFAULT_ROWS, query: Sequence[int] = DEFAULT_QUERY,
-            context: Sequence[int] = DEFAULT_CONTEXT, repeats: int = 5, progress: bool = True) -> pd.DataFrame:
-    """Time the loaded engine's forward pass over the grid; one row per grid point (median)."""
+            context: Sequence[int] = DEFAULT_CONTEXT, repeats: int = 5, progress: bool = True,
+            interleaved: bool = False) -> pd.DataFrame:
+    """Time the loaded engine's forward pass over the grid; one row per grid point (median).
+    ``interleaved``: the widths timed in turn (the speculation policy's table), not back to back
+    (``bench.engines.torch_timing.time_forward``)."""
     from tqdm.auto import tqdm
 
     from .results import environment
@@ -150,11 +153,11 @@ def profile(engine, rows: Sequence[int] = DEFAULT_ROWS, query: Sequence[int] = D
     shape = ModelShape.from_config(cfg.to_dict(), "profiled")
     out = []
     from .engines.torch_timing import time_forward
-    # untimed: the grid's first shape, once, so the engine's one-time costs (allocator, kernels
-    # chosen at a first call) land on no grid point; the first point measured 1.5x its neighbours
-    time_forward(engine, grid[0][0], list(query), grid[0][1], repeats)
+    if not interleaved:  # untimed: the grid's first shape, once, so the engine's one-time costs (allocator,
+        # kernels chosen at a first call) land on no grid point; the first point measured 1.5x its neighbours
+        time_forward(engine, grid[0][0], list(query), grid[0][1], repeats)
     for r, c in tqdm(grid, desc="latency profile", disable=not progress, unit="prefill"):
-        for q, times in time_forward(engine, r, list(query), c, repeats).items():
+        for q, times in time_forward(engine, r, list(query), c, repeats, interleaved).items():
             out.append({"rows": r, "query": q, "context": c, "seconds": float(np.median(times)),
                         "seconds_min": float(np.min(times)), "seconds_max": float(np.max(times))})
     frame = pd.DataFrame(out)

@@ -26,20 +26,27 @@ from .torch_ref import TorchRefEngine, _Block, _Row
 AUTO_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 AUTO_QUERY = (1, 2, 3, 5, 9, 17, 25)
 AUTO_CONTEXT = (32, 256)
-TIMING_VERSION = 4  # bump when what a timed pass covers changes: cached tables are profiled again
+TIMING_VERSION = 5  # bump when what a timed pass covers changes: cached tables are profiled again
 AUTO_REPEATS = 5
 
 
 def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], context: int,
-                 repeats: int = 5) -> dict[int, list[float]]:
+                 repeats: int = 5, interleaved: bool = False) -> dict[int, list[float]]:
     """Seconds of ``repeats`` forward passes for each query width over one prefilled context,
     each width's passes one after another after an untimed one: {query: [seconds, ...]}.
 
     Back to back, not interleaved: an engine decoding plain passes repeats one shape, and a
     table of passes that each followed another shape put plain passes 20-40% above what the
-    engine then measured (``predict``'s median error on the main job 12-17% with interleaved
-    widths, 5.3-5.4% in a run of each, results/LOG.md). A burst of load now hits several
-    repeats of one width; the fastest repeat (``robust_seconds``) still discounts it."""
+    engine then measured (``predict``'s median error on two main-job runs 11.9-16.5% with
+    interleaved widths, 2.3-8.9% back to back after an untimed grid point, results/LOG.md).
+    A burst of load now hits several
+    repeats of one width; the fastest repeat (``robust_seconds``) still discounts it.
+
+    ``interleaved``: the widths in turn, every pass after one of another shape: the speculation
+    policy's table (``cached_latency_table``). With it the main job's drafting methods measured
+    1.09-1.31x under throughput_optimal (medians of 18 runs), with a back-to-back table
+    1.06-1.21x (24 runs), results/LOG.md; the policy weighs plain passes against drafted ones,
+    which in the engine follow passes of other shapes."""
     width = max(queries)
     gen = torch.Generator().manual_seed(rows * 1_000_003 + context)
     vocab = engine.model.config.vocab_size
@@ -53,14 +60,15 @@ def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], cont
         for row in live:
             row.cached, row.pending = context - 1, [row.pending[-1]]
         drafts = {q: [Draft(toks[context:context + q - 1]) for toks in tokens] for q in queries}
-        for query in queries:  # each width's passes in a run of their own, as decoding repeats a shape:
-            for rep in range(repeats + 1):  # interleaved, every pass followed another shape and ran cold
-                t = time.perf_counter()  # each pass rewrites the same slots past the context
-                _forward(engine, live, drafts[query], cache)
-                if engine.device.type == "cuda":
-                    torch.cuda.synchronize()
-                if rep:  # the first pass of each width is its warm-up
-                    out.setdefault(query, []).append(time.perf_counter() - t)
+        order = ([(rep, q) for rep in range(repeats + 1) for q in queries] if interleaved else
+                 [(rep, q) for q in queries for rep in range(repeats + 1)])
+        for rep, query in order:
+            t = time.perf_counter()  # each pass rewrites the same slots past the context
+            _forward(engine, live, drafts[query], cache)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            if rep:  # the first pass of each width is its warm-up
+                out.setdefault(query, []).append(time.perf_counter() - t)
     return out
 
 
@@ -90,7 +98,8 @@ def cached_latency_table(engine: TorchRefEngine):
     path = cache_root() / "latency" / f"torch_ref-{hashlib.sha1(ident.encode()).hexdigest()[:12]}.csv"
     if path.exists():
         return LatencyTable(pd.read_csv(path), str(path))
-    frame = robust_seconds(profile(engine, AUTO_ROWS, AUTO_QUERY, AUTO_CONTEXT, repeats=AUTO_REPEATS, progress=False))
+    frame = robust_seconds(profile(engine, AUTO_ROWS, AUTO_QUERY, AUTO_CONTEXT, repeats=AUTO_REPEATS, progress=False,
+                                   interleaved=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".tmp-{path.name}")
     frame.to_csv(tmp, index=False)
