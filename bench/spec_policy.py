@@ -375,15 +375,12 @@ class SpecPolicy:
                 best = k
         return best
 
-    def choose(self, drafts: Sequence, context_mean: float, cap: int | None,
-               counted: Sequence[bool] | None = None) -> int | None:
-        """Once the drafts are known (the untruncated proposals, one per row): the cap to verify
-        (``cap``: ``budget``'s; throughput_optimal decides again over the real drafts).
-
-        ``counted``: per row, whether its proposal is evidence of how long proposals are while
-        decoding (False for a rollout's first draft, at output length 0: verified in its prefill
-        and, for most drafters, nothing like the drafts that follow; counted, such first drafts,
-        often empty, made the policy believe no proposal would be long and never ask again)."""
+    def choose(self, drafts: Sequence, context_mean: float, cap: int | None) -> int | None:
+        """Once the decoding rows' drafts are known (the untruncated proposals, one per row): the
+        cap to verify (``cap``: ``budget``'s; throughput_optimal decides again over the real
+        drafts). First drafts, at output length 0, go to ``choose_first``: counted here, such
+        first drafts, often empty, made the policy believe no proposal would be long and never
+        ask again."""
         if self.kind != "throughput_optimal":
             return cap
         lengths = [len(d) for d in drafts]
@@ -394,8 +391,7 @@ class SpecPolicy:
             best = min(probe, longest) if probe else self._choose(drafts, lengths, longest, context_mean)
         if best:
             self._idle = 0
-        self.tracker.record_proposals(lengths if counted is None else
-                                      [n for n, c in zip(lengths, counted) if c])
+        self.tracker.record_proposals(lengths)
         return best
 
     @property

@@ -174,7 +174,9 @@ def test_first_drafts_do_not_count_as_proposal_lengths():
     table = grid_table(lambda r, q, c: 1e-3)
     policy = SpecPolicy("throughput_optimal", table=table)
     policy.start_call("X")
-    policy.choose([Draft(), Draft([1])], 32.0, 4, counted=[False, True])
+    policy.choose_first([Draft(), Draft([1, 2])], 2, 10, 32.0, 4)  # first drafts: decided on their own
+    assert policy.tracker.asked == 0
+    policy.choose([Draft([1])], 32.0, 4)
     assert policy.tracker.asked == 1 and policy.tracker.longer_than(0) == pytest.approx(2 / 2)
 
 
