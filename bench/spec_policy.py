@@ -53,6 +53,7 @@ tests/test_spec_policy.py).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -66,6 +67,43 @@ PROBE_SLACK = 0.25  # ... if its pass costs at most 25% more than a plain one: a
 PLAIN_PRIOR_PASSES = 8  # throughput_optimal: the last call's plain-pass scale weighs as much as this many passes
 FIRST_DECAY = 0.5  # throughput_optimal: first drafts' acceptance of earlier calls weighs half as much each call
 SPEC_PRIOR_PASSES = 4  # throughput_optimal: the carried drafted-pass scale weighs as much as this many passes
+CONTEXT_STEP = 0.01  # TableLookup: the context is rounded to steps of 1% (in log space) before the table is read
+
+
+class TableLookup:
+    """The latency table as the policy and the engine read it: many times an iteration, so memoized
+    by (rows, query width, context rounded to ``CONTEXT_STEP`` in log space).
+
+    Why: ``LatencyTable.query_seconds`` costs about 7 us a call in Python (measured on this CPU),
+    and an iteration asked it up to eight times (the budget, the forward split, the iteration's
+    record), which was most of the host time a drafting method paid over the baseline in the tail
+    of a step, at 1.6 ms an iteration (results/LOG.md). A pass's seconds move by far less than 1%
+    across a 1% step of context, and every read of one rounded context gives the same seconds, so
+    a decision does not depend on which context filled the memo first."""
+
+    LIMIT = 1 << 16  # entries before the memo starts again (a call of 256 rows x 4k tokens fills a few thousand)
+
+    def __init__(self, table):
+        self.table = table
+        self._memo: dict[tuple, float] = {}
+
+    def __call__(self, rows: int, queries: Sequence[int], context: float) -> list[float]:
+        step = round(math.log(max(float(context), 1.0)) / CONTEXT_STEP)
+        memo = self._memo
+        out = [memo.get((rows, q, step)) for q in queries]
+        if None in out:
+            missing = [q for q, s in zip(queries, out) if s is None]
+            if len(memo) > self.LIMIT:
+                memo.clear()
+            for q, s in zip(missing, self.table.query_seconds(rows, missing, math.exp(step * CONTEXT_STEP))):
+                memo[(rows, q, step)] = s
+            out = [memo[(rows, q, step)] for q in queries]
+        return out
+
+    def one(self, rows: int, query: int, context: float) -> float:
+        """The seconds of one pass (the engine's forward split asks for these one at a time)."""
+        s = self._memo.get((rows, query, round(math.log(max(float(context), 1.0)) / CONTEXT_STEP)))
+        return self(rows, [query], context)[0] if s is None else s
 
 
 @dataclass
@@ -274,7 +312,8 @@ class SpecPolicy:
             raise ValueError("engine.spec_policy=throughput_optimal needs a latency table: set "
                              "engine.latency_table=auto (profiled once per model and machine) or a CSV "
                              "path written by python -m bench.latency profile")
-        self.kind, self.max_rows, self.table = kind, max_rows, table
+        self.kind, self.max_rows = kind, max_rows
+        self.table = table  # "auto" until the engine has loaded its model and profiled (or read) its table
         self.tracker = AcceptanceTracker()
         self.costs = CostModel()
         self._priors: dict[str, CostModel] = {}  # per drafter (``who``): its last call's host/drafter fits
@@ -285,6 +324,15 @@ class SpecPolicy:
         self._last = None
         self._idle = 0  # iterations since a draft was last verified
         self._probe = 0  # the budget of a probe asked this iteration (0: none)
+
+    @property
+    def table(self):
+        return self._table
+
+    @table.setter
+    def table(self, table) -> None:
+        self._table = table
+        self.lookup = TableLookup(table) if hasattr(table, "query_seconds") else None
 
     def start_call(self, who: str = "") -> None:
         """A new rollout call (one step of one method); ``who`` names the drafter (the engine: its
@@ -307,14 +355,14 @@ class SpecPolicy:
         the baseline's passes, which no policy times, count too): the measured forward seconds of
         its one-token-a-row passes (not its first) over the table's, once it has
         ``PLAIN_PRIOR_PASSES`` of them."""
-        if self.kind != "throughput_optimal" or not hasattr(self.table, "query_seconds"):
+        if self.kind != "throughput_optimal" or self.lookup is None:
             return
         plain = [c for c in iteration_log if c["iteration"] > 0 and c["block_tokens"] == c["rows"]
                  and not c["draft_tokens"] and c["forward_s"] > 0]
         if len(plain) < PLAIN_PRIOR_PASSES:
             return
         measured = sum(c["forward_s"] for c in plain)
-        predicted = sum(self.table.query_seconds(c["rows"], [1], c["context_sum"] / c["rows"])[0] for c in plain)
+        predicted = sum(self.lookup(c["rows"], [1], c["context_sum"] / c["rows"])[0] for c in plain)
         if predicted > 0:
             self._plain_prior = measured / predicted
 
@@ -322,7 +370,7 @@ class SpecPolicy:
         """The table's seconds of passes of ``rows`` x each query width, scaled to now: a width
         of one by the plain passes' scale, wider ones (verifying drafts) by the drafted passes'."""
         plain, spec = self.costs.scale, self.costs.spec_scale
-        return [s * (plain if q <= 1 else spec) for q, s in zip(queries, self.table.query_seconds(rows, queries, context))]
+        return [s * (plain if q <= 1 else spec) for q, s in zip(queries, self.lookup(rows, queries, context))]
 
     def budget(self, live_rows: int, context_mean: float) -> int | None:
         """Before drafting: the cap for this iteration (0: do not ask the drafter)."""
@@ -423,7 +471,7 @@ class SpecPolicy:
         chain = [0.0]
         for r in reach:
             chain.append(chain[-1] + r)
-        secs = self.table.query_seconds(rows, [pending + k for k in ks], context_mean)
+        secs = self.lookup(rows, [pending + k for k in ks], context_mean)
         host = self.costs.host(rows)
         best, best_rate = 0, -1.0
         for k, s in zip(ks, secs):
@@ -516,7 +564,7 @@ class SpecPolicy:
         if any(c[4] == "prefill" for c in calls):
             return
         for r, q, _, forward_s, kind in calls:
-            table_s = self.table.query_seconds(r, [q], context_mean)[0]
+            table_s = self.lookup.one(r, q, context_mean)
             if kind == "drafted":
                 costs.spec_measured += forward_s
                 costs.spec_predicted += table_s

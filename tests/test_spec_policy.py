@@ -1,13 +1,15 @@
 """The speculation policies' pieces: counterfactual acceptance of capped drafts (chains and trees),
 the cost model fitted to the iteration log, the fast table lookup and the policy's table from a
 noisy profile. Token identity under every policy is tests/test_latency.py's."""
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
 
 from bench.engines.torch_timing import robust_seconds
 from bench.latency import LatencyTable
-from bench.spec_policy import AcceptanceTracker, LinearFit, SpecPolicy
+from bench.spec_policy import CONTEXT_STEP, AcceptanceTracker, LinearFit, SpecPolicy, TableLookup
 from methods.base import Draft
 
 
@@ -72,6 +74,23 @@ def test_query_seconds_equals_the_table_lookup():
         r, c = float(rng.uniform(1, 200)), float(rng.uniform(1, 300))
         qs = [1, 2, 3, 7, 13, 25, 40, 65]
         assert table.query_seconds(r, qs, c) == pytest.approx(list(table.seconds([r] * 8, qs, [c] * 8)), rel=1e-9)
+
+
+def test_table_lookup_reads_the_table_at_the_rounded_context_whatever_filled_its_memo():
+    table = grid_table(lambda r, q, c: 1e-4 * (1 + r * q) * (1 + c / 64))
+    lookup = TableLookup(table)
+    for r, c in ((3, 100.0), (3, 100.4), (64, 517.0), (1, 0.2)):
+        rounded = math.exp(round(math.log(max(c, 1.0)) / CONTEXT_STEP) * CONTEXT_STEP)
+        want = table.query_seconds(r, [1, 4, 9], rounded)
+        assert lookup(r, [1, 4, 9], c) == pytest.approx(want, rel=1e-12)
+        assert lookup(r, [9, 4], c) == pytest.approx(want[:0:-1], rel=1e-12)  # from the memo, in the asked order
+        assert lookup.one(r, 4, c) == pytest.approx(want[1], rel=1e-12)
+        assert lookup(r, [4], c)[0] == pytest.approx(table.query_seconds(r, [4], c)[0], rel=0.01)  # within 1%
+    assert len(lookup._memo) == 3 * 3  # (3, 100.0) and (3, 100.4) share their entries
+    lookup(3, [1], math.exp((round(math.log(100.0) / CONTEXT_STEP) + 1) * CONTEXT_STEP))  # the next step: new
+    assert len(lookup._memo) == 3 * 3 + 1
+    # contexts a hair apart (100.0, 100.4) share one entry: the second read the first's seconds
+    assert lookup(3, [1], 100.0) == lookup(3, [1], 100.4)
 
 
 def test_robust_seconds_takes_the_fastest_repeat_and_is_monotone():

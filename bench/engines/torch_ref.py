@@ -298,8 +298,8 @@ class TorchRefEngine:
         verdicts: list = [None] * len(rows)
         calls = []
         sizes = [len(r.pending) + len(d) for r, d in zip(rows, drafts)]
-        table = self.policy.table if hasattr(self.policy.table, "query_seconds") else None  # None, "auto" before load
-        by_table = None if table is None else (lambda r, q: table.query_seconds(r, [q], self._context_mean)[0])
+        lookup = self.policy.lookup  # None without a table (or "auto" before load)
+        by_table = None if lookup is None else (lambda r, q: lookup.one(r, q, self._context_mean))
         for group in _forward_groups(sizes, seconds=by_table):
             t_f = time.perf_counter()
             g_rows, g_drafts = [rows[i] for i in group], [drafts[i] for i in group]
