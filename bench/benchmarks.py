@@ -709,6 +709,9 @@ def main(argv=None) -> None:
                     help="policies: live-batch caps, comma-separated ('all' = the whole step at once)")
     ap.add_argument("--repeats-policies", type=int, default=1,
                     help="policies: runs of every configuration, policies and methods rotated (median speedup)")
+    ap.add_argument("--timing-repeats", type=int, default=1,
+                    help="policies: time every (step, method) this many times inside each run, methods "
+                         "interleaved, and keep the median (the run's timing_repeats)")
     ap.add_argument("--policies", default=None,
                     help="policies: only these (comma-separated: fixed, batch_threshold, throughput_optimal)")
     ap.add_argument("--no-control", action="store_true",
@@ -749,6 +752,7 @@ def main(argv=None) -> None:
         rows = policy_speedups(steps=args.steps if args.steps != 12 else 8, trace=args.trace or "countdown",
                                batch_sizes=tuple(args.batch_sizes.split(",")), trace_path=args.trace_path,
                                repeats=args.repeats_policies, control=not args.no_control,
+                               timing_repeats=args.timing_repeats,
                                policies=None if args.policies is None else tuple(args.policies.split(",")))
         _print(rows)
         return print("\nspeedup over the baseline of the same run, by policy:\n" + summary(rows).to_string())

@@ -203,6 +203,9 @@ def _check_steps(cfg: DictConfig, trace) -> list[int]:
     if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool)
                                   or max_steps < 1):
         raise UserError(f"max_steps={max_steps!r} must be a whole number >= 1 (or null: every step)")
+    repeats = cfg.get("timing_repeats", 1)
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        raise UserError(f"timing_repeats={repeats!r} must be a whole number >= 1 (1: every unit timed once)")
     steps = cfg.get("steps")
     if steps is None:
         steps = list(trace.step_numbers)
@@ -267,6 +270,8 @@ def run(cfg: DictConfig) -> Path:
     config["sampling"] = sampling
     config["trace"]["name"] = trace.name
     config["trace"]["path"] = str(trace.root)
+    if config.get("timing_repeats", 1) == 1:  # the default measures what runs before the knob measured:
+        config.pop("timing_repeats", None)  # the same run id, and those runs still resume
     run_id = cfg.run_id or run_id_for(config)
     root = Path(hydra.utils.to_absolute_path(cfg.results_root))
     run_dir = root / run_id
@@ -277,7 +282,7 @@ def run(cfg: DictConfig) -> Path:
           f"results in {run_dir}", file=sys.stderr)
     replay(trace, engine, method_specs(cfg), SamplingConfig(**sampling), writer, steps,
            labels={"run_id": writer.run_id, "trace": trace.name, "engine": cfg.engine.name},
-           progress=bool(cfg.progress))
+           progress=bool(cfg.progress), timing_repeats=int(cfg.get("timing_repeats", 1)))
     engine.close()
     sources = [run_dir] if "baseline" in cfg.method else [root]
     col = collect(sources, progress=False)

@@ -11,6 +11,7 @@ rotated order each round (a slow spell of a shared machine then hits a different
 and reports the median speedup and, from three repeats, its inter-quartile range. Every run also
 replays the baseline a second time as ``baseline_again``: its speedup is the noise floor of the
 same runs (``--no-control`` leaves it out). ``--policies`` picks some of the three.
+``--timing-repeats R`` times every unit R times inside each run and keeps the median repeat.
 ``throughput_optimal`` uses the engine's latency table of this machine (profiled once, cached).
 ``--trace-path DIR`` replays a trace folder instead of the named trace's cache.
 """
@@ -43,10 +44,11 @@ def rotated(items: tuple, shift: int) -> list:
 
 def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=METHODS, trace: str = "countdown",
                     trace_path: str | None = None, repeats: int = 1, policies: tuple[str, ...] | None = None,
-                    control: bool = True) -> list[dict]:
+                    control: bool = True, timing_repeats: int = 1) -> list[dict]:
     """One row per (repeat, live-batch cap, policy, method): the speedup over the baseline of the
     same run. ``control`` adds ``baseline_again`` (an A/A pair: its spread over the repeats is
-    what the machine's noise alone does to a speedup)."""
+    what the machine's noise alone does to a speedup); ``timing_repeats`` is each run's (every
+    unit timed that many times, methods interleaved, the median kept: ``bench.replay``)."""
     from .collect import collect
     chosen = tuple(p for p in POLICIES if policies is None or p[0] in policies)
     if not chosen:
@@ -65,6 +67,8 @@ def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=MET
                         cmd.append(CONTROL_OVERRIDE)
                     if steps:
                         cmd.append(f"max_steps={steps}")
+                    if timing_repeats > 1:
+                        cmd.append(f"timing_repeats={timing_repeats}")
                     if trace_path:
                         cmd.append(f"trace.path={trace_path}")
                     if batch != "all":

@@ -126,13 +126,25 @@ def feed_recorded(drafter: Drafter, trace: Trace, step: int) -> None:
 def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: SamplingConfig,
            writer: RunWriter, steps: list[int] | None = None, n: int | None = None,
            labels: dict[str, Any] | None = None, progress: bool = True,
-           stop_after_units: int | None = None) -> None:
+           stop_after_units: int | None = None, timing_repeats: int = 1) -> None:
     """Replay ``steps`` (default: all) of ``trace`` with every method; results go to ``writer``.
 
     Units already committed in ``writer``'s folder are skipped and each method resumes from its
     drafter snapshot. ``stop_after_units`` raises :class:`ReplayInterrupted` after that many
     units of this call (tests kill a run at every unit boundary with it).
+
+    ``timing_repeats`` R > 1 times every unit R times, the methods of a step interleaved (each
+    round in another order), every repeat from the drafter's state at the start of the step,
+    and keeps the repeat of median rollout seconds: its rows, counters, iteration log and drafter
+    state, as if it had been the only one (``timing_repeats`` and the spread of the R seconds are
+    columns of steps.parquet). Why: on a shared machine one rollout call of the main job runs up to
+    50% slow for no reason of its own (the baseline against itself, results/LOG.md), and a median
+    of interleaved repeats rejects such a spell where one timing cannot. Exact methods emit the
+    same tokens in every repeat (coupled sampling); the drafts may differ where a speculation
+    policy reads the clock.
     """
+    if timing_repeats < 1:
+        raise ValueError(f"timing_repeats must be >= 1, got {timing_repeats}")
     steps = list(steps if steps is not None else trace.step_numbers)
     n = n or trace.sampling.n
     labels = dict(labels or {})
@@ -152,47 +164,83 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
             warmed = True
         recorded = _recorded_tokens(trace, step)
         next_step = steps[i + 1] if i + 1 < len(steps) else None
-        shift = i % len(todo)  # rotate the order so no method is always first after a checkpoint swap
         fed = trace.fed_steps(steps[i - 1] if i else None, step)  # sparse: rollouts-only steps before
-        for m in todo[shift:] + todo[:shift]:
-            bar.set_postfix_str(f"step {step}: {m.name}")
+        start_state = {}
+        for m in todo:
             drafter = drafters[m.name]
             for s in fed:  # part of this unit: its snapshot holds them, so a resume is exact
                 feed_recorded(drafter, trace, s)
             drafter.begin_step(step)
             if hasattr(drafter, "reset_stats"):
                 drafter.reset_stats()  # counters per step; cache sizes are state and stay
-            run_ahead = None
-            if m.run_ahead and next_step is not None:
-                run_ahead = RunAheadQueue(run_ahead_requests(trace, step, next_step, n))
-            gc.collect()  # a collector pause belongs to no method's clock
-            warm_up = getattr(engine, "warm_up", None)  # engines whose first pass after other work is slow
-            if warm_up is not None:
-                warm_up(requests, sampling)
-            t0 = time.perf_counter()
-            rollouts = engine.rollout(requests, sampling, drafter, m.verify, run_ahead=run_ahead)
-            wall = time.perf_counter() - t0
-            rows = [rollout_row(r, **labels, method=m.name,
-                                reward=trace.reward(r.key.prompt_id, r.token_ids) if trace.has_reward else None,
-                                matches_recorded=None if recorded is None or r.run_ahead else
-                                recorded.get((r.key.prompt_id, r.key.sample_idx)) == r.token_ids)
-                    for r in rollouts]
-            stats = drafter.stats() if hasattr(drafter, "stats") else {}
-            # which engine instance served the unit and what SPEC-RL's separate scoring pass cost
-            # (vLLM, SGLang); torch_ref verifies a first draft inside the prefill: no separate pass
-            scoring = {f"scoring_{k}" if not k.startswith("scoring") else k: v
-                       for k, v in (getattr(engine, "last_scoring", None) or
-                                    {"scoring_passes": 0, "scoring_tokens": 0}).items()}
-            srow = step_row(rows, wall, getattr(engine, "last_iterations", max(r.num_forward_passes for r in rollouts)),
-                            cache_entries=stats.get("cache_entries", stats.get("sequences")),
-                            cache_bytes=stats.get("cache_bytes"), drafter_stats=stats, **scoring, **labels)
-            iterations = getattr(engine, "last_iteration_log", None)  # engines that log forward passes
-            writer.write_unit(step, m.name, rows, srow, drafter_state=pickle.dumps(drafter, protocol=5),
-                              iteration_rows=None if iterations is None else list(iterations))
-            committed += 1
-            if stop_after_units is not None and committed >= stop_after_units:
-                raise ReplayInterrupted(f"stopped after {committed} unit(s) (stop_after_units)")
+            if timing_repeats > 1:
+                start_state[m.name] = pickle.dumps(drafter, protocol=5)
+        timed: dict[str, list[dict]] = {m.name: [] for m in todo}
+        for rep in range(timing_repeats):
+            shift = (i + rep) % len(todo)  # rotate the order so no method is always first after a checkpoint swap
+            for m in todo[shift:] + todo[:shift]:
+                bar.set_postfix_str(f"step {step}: {m.name}" + (f" ({rep + 1}/{timing_repeats})"
+                                                                 if timing_repeats > 1 else ""))
+                drafter = drafters[m.name]
+                if rep:  # every repeat from the step's starting state, in the same object (the
+                    _restore(drafter, start_state[m.name])  # engine's policy keeps its fits by drafter)
+                timed[m.name].append(_timed_unit(engine, requests, sampling, drafter, m, trace, step, n,
+                                                 next_step, recorded, labels, timing_repeats > 1))
+                if rep < timing_repeats - 1:
+                    continue
+                runs = timed.pop(m.name)  # its last repeat: the unit is committed now, as its median repeat
+                kept = sorted(runs, key=lambda u: u["wall"])[(len(runs) - 1) // 2]
+                if len(runs) > 1:
+                    _restore(drafter, kept["state"])
+                    walls = [u["wall"] for u in runs]
+                    kept["srow"].update(timing_repeats=len(runs), wall_s_min=min(walls), wall_s_max=max(walls))
+                writer.write_unit(step, m.name, kept["rows"], kept["srow"],
+                                  drafter_state=pickle.dumps(drafter, protocol=5), iteration_rows=kept["iterations"])
+                committed += 1
+                if stop_after_units is not None and committed >= stop_after_units:
+                    raise ReplayInterrupted(f"stopped after {committed} unit(s) (stop_after_units)")
     writer.finish()
+
+
+def _timed_unit(engine: Engine, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
+                m: MethodSpec, trace: Trace, step: int, n: int, next_step: int | None,
+                recorded: dict | None, labels: dict, keep_state: bool) -> dict:
+    """One timed rollout call of a unit: its rollout rows, step row, iteration log and (for
+    timing repeats) the drafter's state after it."""
+    run_ahead = None
+    if m.run_ahead and next_step is not None:
+        run_ahead = RunAheadQueue(run_ahead_requests(trace, step, next_step, n))
+    gc.collect()  # a collector pause belongs to no method's clock
+    warm_up = getattr(engine, "warm_up", None)  # engines whose first pass after other work is slow
+    if warm_up is not None:
+        warm_up(requests, sampling)
+    t0 = time.perf_counter()
+    rollouts = engine.rollout(requests, sampling, drafter, m.verify, run_ahead=run_ahead)
+    wall = time.perf_counter() - t0
+    rows = [rollout_row(r, **labels, method=m.name,
+                        reward=trace.reward(r.key.prompt_id, r.token_ids) if trace.has_reward else None,
+                        matches_recorded=None if recorded is None or r.run_ahead else
+                        recorded.get((r.key.prompt_id, r.key.sample_idx)) == r.token_ids)
+            for r in rollouts]
+    stats = drafter.stats() if hasattr(drafter, "stats") else {}
+    # which engine instance served the unit and what SPEC-RL's separate scoring pass cost
+    # (vLLM, SGLang); torch_ref verifies a first draft inside the prefill: no separate pass
+    scoring = {f"scoring_{k}" if not k.startswith("scoring") else k: v
+               for k, v in (getattr(engine, "last_scoring", None) or
+                            {"scoring_passes": 0, "scoring_tokens": 0}).items()}
+    srow = step_row(rows, wall, getattr(engine, "last_iterations", max(r.num_forward_passes for r in rollouts)),
+                    cache_entries=stats.get("cache_entries", stats.get("sequences")),
+                    cache_bytes=stats.get("cache_bytes"), drafter_stats=stats, **scoring, **labels)
+    iterations = getattr(engine, "last_iteration_log", None)  # engines that log forward passes
+    return {"wall": wall, "rows": rows, "srow": srow, "iterations": None if iterations is None else list(iterations),
+            "state": pickle.dumps(drafter, protocol=5) if keep_state else None}
+
+
+def _restore(drafter: Drafter, state: bytes) -> None:
+    """Put a pickled state of ``drafter`` back into the same object (its identity is what the
+    engine's speculation policy keeps a method's fits under)."""
+    vars(drafter).clear()
+    vars(drafter).update(vars(pickle.loads(state)))
 
 
 def _recorded_tokens(trace: Trace, step: int) -> dict[tuple[str, int], list[int]] | None:

@@ -63,6 +63,7 @@ def _cli(tmp_path, *overrides):
     (["trace=custom"], r"trace.path must be set"),
     (["steps=[0,99]"], r"steps=\[0, 99\]: trace 'countdown-tiny' has steps \[0, 1, 2, 3, 4, 5\]"),
     (["max_steps=0"], r"max_steps=0 must be a whole number >= 1"),
+    (["timing_repeats=0"], r"timing_repeats=0 must be a whole number >= 1"),
     (["engine.name=tensorrt"], r"engine.name='tensorrt' is not an engine; choose one of"),
     (["engine.dtype=float8"], r"engine.dtype must be one of .* got 'float8'"),
     (["sampling.top_p=1.5"], r"sampling.top_p must be in \(0, 1\], got 1.5"),
@@ -74,7 +75,7 @@ def _cli(tmp_path, *overrides):
     (["method=baseline", "method.baseline.verify.rule=exactly"], r"method.baseline.verify.rule must be one of"),
     (["method=[baseline,tree_cache]", "method.tree_cache.verify.rule=greedy", "sampling.temperature=0.7"],
      r"method tree_cache: verify.rule=greedy .* sampling.temperature=0.7"),
-], ids=["trace_path", "trace_path_unset", "step", "max_steps", "engine", "engine_knob", "sampling_value",
+], ids=["trace_path", "trace_path_unset", "step", "max_steps", "timing_repeats", "engine", "engine_knob", "sampling_value",
         "sampling_key", "knob", "knob_type", "verify_rule", "greedy_rule_at_positive_temperature"])
 def test_bad_input_is_one_line_before_anything_is_written(monkeypatch, capsys, tmp_path, overrides, says):
     line = _refused(monkeypatch, capsys, tmp_path, *overrides)

@@ -107,9 +107,10 @@ def _counted(frame):
     return {c: [plain(v) for v in frame[c]] for c in sorted(set(frame.columns) - TIMES)}
 
 
-def _assert_same_run(a_dir, b_dir):
+def _assert_same_run(a_dir, b_dir, ignore=()):
     _, _, a_rows, a_steps = load_run(a_dir)
     _, _, b_rows, b_steps = load_run(b_dir)
+    a_steps, b_steps = (s.drop(columns=[c for c in ignore if c in s]) for s in (a_steps, b_steps))
     assert not a_steps.duplicated(["step", "method"]).any()
     assert not a_rows.duplicated(["step", "method", "prompt_id", "sample_idx"]).any()
     ra, rb = _counted(a_rows), _counted(b_rows)
@@ -149,6 +150,27 @@ def test_resume_at_every_unit_boundary_equals_the_uninterrupted_run(tmp_path):
     # only the latest drafter snapshot per method is kept
     assert len(list((tmp_path / "killed" / "drafters").glob("*.pkl"))) == len(RESUME_METHODS)
     _assert_same_run(tmp_path / "killed", tmp_path / "whole")
+
+
+def test_timing_repeats_keep_the_median_repeat_and_change_no_count(tmp_path):
+    """Each unit timed three times, the methods interleaved, every repeat from the step's starting
+    drafter state: every token and counter, and every later draft, equals the once-timed run's
+    (the fixed policy reads no clock), and the kept seconds are the median of the three."""
+    from bench.cli import method_specs
+    from bench.record import ensure_trace
+    trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
+    cfg = cfg_for("method=[" + ",".join(RESUME_METHODS) + "]", "engine.dtype=float64")
+    config = {"trace": {"name": trace.name}, "engine": {"name": "torch_ref"}, "methods": RESUME_METHODS}
+    steps, labels = trace.step_numbers[:3], {"trace": trace.name, "engine": "torch_ref"}
+    for name, repeats in (("once", 1), ("thrice", 3)):
+        replay(trace, TorchRefEngine(dtype="float64"), method_specs(cfg), trace.sampling.to_config(),
+               RunWriter(tmp_path / name, config), steps, progress=False, labels=labels, timing_repeats=repeats)
+    _, _, _, thrice = load_run(tmp_path / "thrice")
+    assert len(thrice) == len(steps) * len(RESUME_METHODS) and (thrice["timing_repeats"] == 3).all()
+    assert ((thrice["wall_s_min"] <= thrice["wall_s"]) & (thrice["wall_s"] <= thrice["wall_s_max"])).all()
+    assert (thrice["wall_s_min"] < thrice["wall_s_max"]).all()  # three timings, not one kept thrice
+    assert "timing_repeats" not in load_run(tmp_path / "once")[3]
+    _assert_same_run(tmp_path / "thrice", tmp_path / "once", ignore=("timing_repeats", "wall_s_min", "wall_s_max"))
 
 
 def test_resume_after_a_real_kill_mid_unit_equals_the_uninterrupted_run(tmp_path):
