@@ -2,7 +2,7 @@
 
     python -m bench.benchmarks policies [--steps 8] [--batch-sizes all,4] [--trace countdown] [--repeats-policies 1]
     python -m bench.benchmarks policies --trace countdown_search --batch-sizes all --repeats-policies 3   # the main job
-    python -m bench.benchmarks policies --trace countdown_search --batch-sizes all --policies throughput_optimal --repeats-policies 12
+    python -m bench.benchmarks policies --trace countdown_search --batch-sizes all --policies throughput_optimal --repeats-policies 6 --timing-repeats 3
 
 One run of the main job's exact methods per (policy, live-batch cap), each with its own baseline
 in the same run (so every speedup is a ratio measured side by side), collected into one table.
