@@ -87,8 +87,12 @@ class TableLookup:
         self.table = table
         self._memo: dict[tuple, float] = {}
 
+    @staticmethod
+    def _step(context: float) -> int:
+        return round(math.log(max(float(context), 1.0)) / CONTEXT_STEP)
+
     def __call__(self, rows: int, queries: Sequence[int], context: float) -> list[float]:
-        step = round(math.log(max(float(context), 1.0)) / CONTEXT_STEP)
+        step = self._step(context)
         memo = self._memo
         out = [memo.get((rows, q, step)) for q in queries]
         if None in out:
@@ -102,7 +106,7 @@ class TableLookup:
 
     def one(self, rows: int, query: int, context: float) -> float:
         """The seconds of one pass (the engine's forward split asks for these one at a time)."""
-        s = self._memo.get((rows, query, round(math.log(max(float(context), 1.0)) / CONTEXT_STEP)))
+        s = self._memo.get((rows, query, self._step(context)))
         return self(rows, [query], context)[0] if s is None else s
 
 

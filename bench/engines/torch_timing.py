@@ -39,8 +39,8 @@ def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], cont
     table of passes that each followed another shape put plain passes 20-40% above what the
     engine then measured (``predict``'s median error on two main-job runs 11.9-16.5% with
     interleaved widths, 2.3-8.9% back to back after an untimed grid point, results/LOG.md).
-    A burst of load now hits several
-    repeats of one width; the fastest repeat (``robust_seconds``) still discounts it.
+    A burst of load now hits several repeats of one width; the fastest repeat
+    (``robust_seconds``) still discounts it.
 
     ``interleaved``: the widths in turn, every pass after one of another shape: the speculation
     policy's table (``cached_latency_table``). With it the main job's drafting methods measured
