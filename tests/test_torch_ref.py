@@ -263,3 +263,44 @@ def test_slot_cache_keeps_rows_in_place_and_reuses_freed_ones():
     assert cache.rows == 4 and cache._keys[0] is buffer
     with pytest.raises(ValueError):
         cache.keep_rows([2, 1])
+
+
+def test_no_pass_reads_cache_memory_before_it_is_zeroed_or_written(ckpts, engine64, monkeypatch):
+    """The KV cache is allocated uninitialised and zeroed only as far as passes read; with new
+    memory filled with NaN (``poison``), any slot read before it is zeroed or written turns the
+    logits into NaN (a masked slot weighs 0, and 0 x NaN is NaN). Rows are admitted, dropped and
+    reused (a live-batch cap), the prompts grow the capacity, tree drafts move accepted slots."""
+    import functools
+
+    import bench.engines.torch_ref as tr
+    from bench.engines.kv_slots import SlotKVCache
+    reqs, sampling = requests(8), SAMPLINGS["t1"]
+    reqs.append(Request(RolloutKey("long", 0), [0] + [5 + j % 20 for j in range(30)], 1))  # admitted last: grows
+    capped = TorchRefEngine(dtype="float64", max_batch_size=3)
+    capped.load(ckpts[0])
+    base = engine64.rollout(reqs, sampling, Baseline(), VerifyConfig())
+    futures = {r.key: r.token_ids for r in base}
+    monkeypatch.setattr(tr, "SlotKVCache", functools.partial(SlotKVCache, poison=True))
+    for eng in (engine64, capped):
+        for drafter in (Baseline(), OracleDrafter(futures, 5), TreeOracle(futures, 3)):
+            out = eng.rollout(reqs, sampling, drafter, VerifyConfig())
+            assert [r.token_ids for r in out] == [r.token_ids for r in base]
+            for a, b in zip(out, base):
+                assert a.logprobs == pytest.approx(b.logprobs, abs=1e-9)
+
+
+def test_slot_cache_zeroes_new_rows_and_slots_as_far_as_passes_read():
+    from bench.engines.kv_slots import SlotKVCache
+    cache = SlotKVCache(capacity=4, poison=True)
+    cache.add_rows(2, 4)
+    cache.set_block(torch.tensor([[0, 1], [0, 1]]), 3)  # a pass reading 3 slots, writing 2 of them
+    k, _ = cache.update(torch.ones(2, 1, 2, 2), torch.ones(2, 1, 2, 2), 0)
+    assert torch.equal(k[:, :, :2], torch.ones(2, 1, 2, 2)) and torch.equal(k[:, :, 2], torch.zeros(2, 1, 2))
+    assert cache._keys[0][:, :, 3:].isnan().all()  # never read yet: never touched
+    cache.add_rows(1, 6)  # a new row and a longer capacity: new memory again
+    assert cache._keys[0].shape == (3, 1, 7, 2)
+    assert torch.equal(cache._keys[0][2, :, :3], torch.zeros(1, 3, 2))  # as far as every row is zeroed
+    cache.set_block(torch.tensor([[5], [5], [5]]), 6)
+    k, v = cache.update(torch.full((3, 1, 1, 2), 2.0), torch.full((3, 1, 1, 2), 2.0), 0)
+    assert not k.isnan().any() and not v.isnan().any()
+    assert torch.equal(k[:, :, :2], torch.tensor([[[[1.0, 1.0]] * 2]] * 2 + [[[[0.0, 0.0]] * 2]]))

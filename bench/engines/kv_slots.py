@@ -4,7 +4,15 @@ batch are verified in one forward pass and rejected nodes are simply never marke
 Transformers' attention layers call ``update(keys, values, layer_idx, ...)``; this cache scatters
 the new block into each row at the slots the engine chose and returns the first ``view_len`` slots.
 Which slots a query may see is the engine's additive 4D mask, never this class's business.
-Exercised by ``pytest tests/test_torch_ref.py``.
+
+Memory is allocated uninitialised and zeroed lazily, only as far as a forward pass reads
+(``_zeroed``): a masked slot weighs exactly 0, but an uninitialised one may hold NaN, and
+0 x NaN is NaN, so every slot a pass reads holds zeros, stale finite KV or this call's KV.
+Why: zeroing the whole buffer up front (rows x (longest prompt + max_new_tokens + 1) slots, every
+layer) took about 50 ms of each main-job rollout call on a CPU (8% of the baseline's call, more
+of a faster method's), for slots a long-tailed step mostly never reaches (results/LOG.md).
+``poison=True`` fills new memory with NaN instead, so a test proves that no pass reads a slot
+before it is zeroed or written. Exercised by ``pytest tests/test_torch_ref.py``.
 """
 from __future__ import annotations
 
@@ -23,10 +31,12 @@ class SlotKVCache:
 
     is_compileable = False
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, poison: bool = False):
         self.capacity = capacity
+        self.poison = poison  # tests: new memory holds NaN (what uninitialised memory may hold)
         self._keys: list[torch.Tensor] = []  # [allocated rows, H, capacity + 1, D] per layer
         self._values: list[torch.Tensor] = []
+        self._zeroed: list[int] = []  # per layer: slots [0, n) of every allocated row hold finite values
         self.rows = 0
         self.view_len = 0
         self._write_index: torch.Tensor | None = None  # [b, q] slot of each block position
@@ -56,8 +66,13 @@ class SlotKVCache:
         B, H, q, D = key_states.shape
         if layer_idx == len(self._keys):
             shape = (self.rows or B, H, self.capacity + 1, D)
-            self._keys.append(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
-            self._values.append(torch.zeros(shape, dtype=value_states.dtype, device=value_states.device))
+            self._keys.append(self._new(key_states.new_empty(shape)))
+            self._values.append(self._new(value_states.new_empty(shape)))
+            self._zeroed.append(0)
+        if self.view_len > self._zeroed[layer_idx]:  # before the block is written: it may lie in the range
+            for t in (self._keys[layer_idx], self._values[layer_idx]):
+                t[:, :, self._zeroed[layer_idx]:self.view_len].zero_()
+            self._zeroed[layer_idx] = self.view_len
         n = self.rows or B
         k, v = self._keys[layer_idx][:n], self._values[layer_idx][:n]
         if self._subset is None:
@@ -102,14 +117,25 @@ class SlotKVCache:
         if not self._keys or self._keys[0].shape[0] >= self.rows:
             return  # freed rows are reused: their stale slots are written before they are read
         extra = self.rows - self._keys[0].shape[0]
-        self._keys = [torch.cat([k, k.new_zeros((extra,) + k.shape[1:])]) for k in self._keys]
-        self._values = [torch.cat([v, v.new_zeros((extra,) + v.shape[1:])]) for v in self._values]
+        self._keys = [self._append_rows(k, extra, z) for k, z in zip(self._keys, self._zeroed)]
+        self._values = [self._append_rows(v, extra, z) for v, z in zip(self._values, self._zeroed)]
 
     def _grow(self, capacity: int) -> None:
         extra = capacity - self.capacity
         self.capacity = capacity  # the trash slot (the last) moves; its contents are never read
-        self._keys = [torch.cat([k, k.new_zeros(k.shape[:2] + (extra, k.shape[3]))], 2) for k in self._keys]
-        self._values = [torch.cat([v, v.new_zeros(v.shape[:2] + (extra, v.shape[3]))], 2) for v in self._values]
+        self._keys = [torch.cat([k, self._new(k.new_empty(k.shape[:2] + (extra, k.shape[3])))], 2) for k in self._keys]
+        self._values = [torch.cat([v, self._new(v.new_empty(v.shape[:2] + (extra, v.shape[3])))], 2)
+                        for v in self._values]
+
+    def _new(self, t: torch.Tensor) -> torch.Tensor:
+        """Freshly allocated memory as it is (or NaN under ``poison``): zeroed when first read."""
+        return t.fill_(float("nan")) if self.poison else t
+
+    def _append_rows(self, t: torch.Tensor, extra: int, zeroed: int) -> torch.Tensor:
+        """``t`` with ``extra`` new rows, whose slots [0, zeroed) are zeroed as every row's are."""
+        new = self._new(t.new_empty((extra,) + t.shape[1:]))
+        new[:, :, :zeroed].zero_()
+        return torch.cat([t, new])
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots src[b, i] to dst[b, i] in every layer (compacts accepted tree paths)."""
