@@ -134,10 +134,11 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
     units of this call (tests kill a run at every unit boundary with it).
 
     ``timing_repeats`` R > 1 times every unit R times, the methods of a step interleaved (each
-    round in another order), every repeat from the drafter's state at the start of the step,
-    and keeps the repeat of median rollout seconds: its rows, counters, iteration log and drafter
-    state, as if it had been the only one (``timing_repeats`` and the spread of the R seconds are
-    columns of steps.parquet). Why: on a shared machine one rollout call of the main job runs up to
+    round in another order), every repeat from the drafter's state at the start of the step and
+    from the speculation policy's evidence carried into the step (``_policy_state``). It keeps
+    the repeat of median rollout seconds: its rows, counters, iteration log, drafter state and
+    the policy's evidence after it, as if it had been the only one (``timing_repeats`` and the
+    spread of the R seconds are columns of steps.parquet). Why: on a shared machine one rollout call of the main job runs up to
     50% slow for no reason of its own (the baseline against itself, results/LOG.md), and a median
     of interleaved repeats rejects such a spell where one timing cannot. Exact methods emit the
     same tokens in every repeat (coupled sampling); the drafts may differ where a speculation
@@ -174,7 +175,7 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
             if hasattr(drafter, "reset_stats"):
                 drafter.reset_stats()  # counters per step; cache sizes are state and stay
             if timing_repeats > 1:
-                start_state[m.name] = pickle.dumps(drafter, protocol=5)
+                start_state[m.name] = pickle.dumps(drafter, protocol=5), _policy_state(engine, drafter)
         timed: dict[str, list[dict]] = {m.name: [] for m in todo}
         for rep in range(timing_repeats):
             shift = (i + rep) % len(todo)  # rotate the order so no method is always first after a checkpoint swap
@@ -182,8 +183,9 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
                 bar.set_postfix_str(f"step {step}: {m.name}" + (f" ({rep + 1}/{timing_repeats})"
                                                                  if timing_repeats > 1 else ""))
                 drafter = drafters[m.name]
-                if rep:  # every repeat from the step's starting state, in the same object (the
-                    _restore(drafter, start_state[m.name])  # engine's policy keeps its fits by drafter)
+                if rep:  # every repeat from the step's starting state, in the same object (the engine's
+                    _restore(drafter, start_state[m.name][0])  # policy keeps its fits by drafter), and from
+                    _restore_policy_state(engine, drafter, start_state[m.name][1])  # the same policy evidence
                 timed[m.name].append(_timed_unit(engine, requests, sampling, drafter, m, trace, step, n,
                                                  next_step, recorded, labels, timing_repeats > 1))
                 if rep < timing_repeats - 1:
@@ -192,6 +194,7 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
                 kept = sorted(runs, key=lambda u: u["wall"])[(len(runs) - 1) // 2]
                 if len(runs) > 1:
                     _restore(drafter, kept["state"])
+                    _restore_policy_state(engine, drafter, kept["policy"])
                     walls = [u["wall"] for u in runs]
                     kept["srow"].update(timing_repeats=len(runs), wall_s_min=min(walls), wall_s_max=max(walls))
                 writer.write_unit(step, m.name, kept["rows"], kept["srow"],
@@ -233,7 +236,8 @@ def _timed_unit(engine: Engine, requests: list[Request], sampling: SamplingConfi
                     cache_bytes=stats.get("cache_bytes"), drafter_stats=stats, **scoring, **labels)
     iterations = getattr(engine, "last_iteration_log", None)  # engines that log forward passes
     return {"wall": wall, "rows": rows, "srow": srow, "iterations": None if iterations is None else list(iterations),
-            "state": pickle.dumps(drafter, protocol=5) if keep_state else None}
+            "state": pickle.dumps(drafter, protocol=5) if keep_state else None,
+            "policy": _policy_state(engine, drafter) if keep_state else None}
 
 
 def _restore(drafter: Drafter, state: bytes) -> None:
@@ -241,6 +245,21 @@ def _restore(drafter: Drafter, state: bytes) -> None:
     engine's speculation policy keeps a method's fits under)."""
     vars(drafter).clear()
     vars(drafter).update(vars(pickle.loads(state)))
+
+
+def _policy_state(engine: Engine, drafter: Drafter):
+    """What the engine's speculation policy carries into ``drafter``'s next call (None for an
+    engine without one): a timing repeat that started from other evidence would draft otherwise
+    (measured: the same unit repeated with the evidence carried drafted 2,600 tokens, then 1,100,
+    results/LOG.md)."""
+    get = getattr(engine, "policy_state", None)
+    return None if get is None else get(drafter)
+
+
+def _restore_policy_state(engine: Engine, drafter: Drafter, state) -> None:
+    put = getattr(engine, "restore_policy_state", None)
+    if put is not None:
+        put(drafter, state)
 
 
 def _recorded_tokens(trace: Trace, step: int) -> dict[tuple[str, int], list[int]] | None:

@@ -47,12 +47,14 @@ tests/test_spec_policy.py).
   Run-ahead rollouts (``tree_cache_runahead``) are admitted only into idle capacity
   (``run_ahead_rows``). The acceptance is counted per rollout call (one step of one method); the
   measured seconds make the drafts (never the tokens) depend on the machine's speed, and the
-  fits carried between calls live in the engine, not in a unit's snapshot: a resumed or repeated
-  run emits the same tokens but may draft, count and admit run-ahead rows differently (the
-  resume tests run the ``fixed`` policy, whose decisions read no clock).
+  fits carried between calls live in the engine, not in a unit's snapshot: a resumed run emits
+  the same tokens but may draft, count and admit run-ahead rows differently (the resume tests
+  run the ``fixed`` policy, whose decisions read no clock). The replay's timing repeats put the
+  carried evidence back before each repeat (``carried``, ``restore_carried``).
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -352,6 +354,26 @@ class SpecPolicy:
         self.costs = prior.carried(self._plain_prior) if prior else CostModel(prior=self._plain_prior)
         self._last = None  # (live rows, budget, iterations it has stood) of the last decision
         self._idle = self._probe = 0
+
+    def carried(self, who: str):
+        """What the next call of drafter ``who`` starts from (its last call's fits and first-draft
+        acceptance; None, None before any call), as a copy: a timing repeat of a unit puts it back
+        with ``restore_carried`` before each repeat, so every repeat decides from the same evidence."""
+        if who == self._who:
+            return copy.deepcopy((self.costs, self.first))
+        return copy.deepcopy((self._priors.get(who), self._first_priors.get(who)))
+
+    def restore_carried(self, who: str, state) -> None:
+        """Make ``state`` (from ``carried``) what the next call of ``who`` starts from."""
+        if self._who:  # the call in progress ends here: its evidence joins the priors first
+            self._priors[self._who], self._first_priors[self._who] = self.costs, self.first
+            self._who = ""
+        costs, first = copy.deepcopy(state)
+        for store, value in ((self._priors, costs), (self._first_priors, first)):
+            if value is None:
+                store.pop(who, None)
+            else:
+                store[who] = value
 
     def learn_plain_speed(self, iteration_log: Sequence[dict]) -> None:
         """The plain passes' scale prior of the next calls, from a finished call's iteration log

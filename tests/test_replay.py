@@ -295,3 +295,37 @@ def test_each_timed_unit_starts_after_an_untimed_warm_up(tmp_path, monkeypatch):
     per_unit = rows.groupby(["step", "method"]).size()  # the warm-up's rollouts are not among them
     assert sorted(calls) == sorted(per_unit)
     assert (rows["output_tokens"].map(len) > 1).any()  # the timed units kept their own max_new_tokens
+
+
+def test_timing_repeats_start_every_repeat_from_the_same_policy_evidence(tmp_path):
+    """Under throughput_optimal the policy carries each drafter's fits into its next call; each
+    timing repeat of a unit must start from the evidence carried into the step, not from the
+    repeat before it, and the kept repeat's evidence is what the next step starts from."""
+    from bench.cli import method_specs
+    from bench.record import ensure_trace
+    from test_latency import grid_table
+    trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
+    cfg = cfg_for("method=[baseline,tree_cache]", "engine.dtype=float64")
+    table = tmp_path / "table.csv"
+    grid_table(lambda r, q, c: 1e-4 * (1 + r * q / 8)).frame.to_csv(table, index=False)
+    engine = TorchRefEngine(dtype="float64", spec_policy="throughput_optimal", latency_table=str(table))
+    seen, after = [], []
+    rollout = engine.rollout
+
+    def recording(requests, sampling, drafter, verify, run_ahead=None):
+        if drafter.name == "tree_cache" and len(requests) > 1:  # not the warm-up's single rows
+            seen.append(engine.policy_state(drafter))
+            out = rollout(requests, sampling, drafter, verify, run_ahead=run_ahead)
+            after.append(engine.policy_state(drafter))
+            return out
+        return rollout(requests, sampling, drafter, verify, run_ahead=run_ahead)
+
+    engine.rollout = recording
+    config = {"trace": {"name": trace.name}, "engine": {"name": "torch_ref"}, "methods": ["baseline", "tree_cache"]}
+    replay(trace, engine, method_specs(cfg), trace.sampling.to_config(), RunWriter(tmp_path / "r", config),
+           trace.step_numbers[:2], progress=False, labels={"trace": trace.name, "engine": "torch_ref"},
+           timing_repeats=3)
+    assert len(seen) == 6
+    assert seen[0] == seen[1] == seen[2] == (None, None)  # the first step: no evidence yet, in every repeat
+    assert seen[3] == seen[4] == seen[5] and seen[3][0] is not None
+    assert seen[3] in after[:3]  # the second step starts from one of the first step's repeats

@@ -196,7 +196,7 @@ class TorchRefEngine:
         cache = SlotKVCache(capacity=1)
         self.last_iterations = 0  # forward passes of this call (what steps.parquet records)
         self.last_iteration_log = []
-        self.policy.start_call(f"{type(drafter).__name__}@{id(drafter):x}")  # one drafter per method in a replay
+        self.policy.start_call(_who(drafter))  # one drafter per method in a replay
         self._never_drafts = drafter_mode(drafter) == "baseline"  # no policy work for a drafter that never drafts
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -254,6 +254,14 @@ class TorchRefEngine:
                     break
         # trained rollouts in request order, then run-ahead ones (finished or aborted) for the record
         return [done[i] for i in range(len(requests))] + ahead
+
+    def policy_state(self, drafter: Drafter):
+        """What the speculation policy carries into ``drafter``'s next call (``SpecPolicy.carried``):
+        the replay's timing repeats start every repeat of a unit from it."""
+        return self.policy.carried(_who(drafter))
+
+    def restore_policy_state(self, drafter: Drafter, state) -> None:
+        self.policy.restore_carried(_who(drafter), state)
 
     def _fits(self, r: Request, sampling: SamplingConfig) -> bool:
         return len(r.prompt_token_ids) + sampling.max_new_tokens <= self.info.max_context
@@ -482,6 +490,12 @@ class _Block:
         mask = _additive(allowed, dtype)
         root = torch.tensor([q - 1 - len(d) for d in drafts])
         return cls(*_on(device, ids, pos, slot, mask, node_index), K, view_len, trash, root)
+
+
+def _who(drafter: Drafter) -> str:
+    """The speculation policy's name for a drafter: its class and identity (two methods of one
+    class keep their evidence apart)."""
+    return f"{type(drafter).__name__}@{id(drafter):x}"
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
