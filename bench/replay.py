@@ -138,11 +138,11 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
     from the speculation policy's evidence carried into the step (``_policy_state``). It keeps
     the repeat of median rollout seconds: its rows, counters, iteration log, drafter state and
     the policy's evidence after it, as if it had been the only one (``timing_repeats`` and the
-    spread of the R seconds are columns of steps.parquet). Why: on a shared machine one rollout call of the main job runs up to
-    50% slow for no reason of its own (the baseline against itself, results/LOG.md), and a median
-    of interleaved repeats rejects such a spell where one timing cannot. Exact methods emit the
-    same tokens in every repeat (coupled sampling); the drafts may differ where a speculation
-    policy reads the clock.
+    spread of the R seconds are columns of steps.parquet). Why: on a shared machine one rollout
+    call of the main job runs up to 50% slow for no reason of its own (the baseline against
+    itself, results/LOG.md), and a median of interleaved repeats rejects such a spell where one
+    timing cannot. Exact methods emit the same tokens in every repeat (coupled sampling); the
+    drafts may differ where a speculation policy reads the clock.
     """
     if timing_repeats < 1:
         raise ValueError(f"timing_repeats must be >= 1, got {timing_repeats}")
