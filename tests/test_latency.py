@@ -146,3 +146,11 @@ def test_roofline_by_hand_and_bundled_shapes():
         assert Hardware.named(name).memory_bandwidth_gbs > 500
     with pytest.raises(UserError, match="no hardware named"):
         Hardware.named("tpu9000")
+
+
+def test_the_policys_table_covers_the_models_contexts():
+    from bench.engines.torch_timing import AUTO_QUERY, auto_contexts
+    widest = max(AUTO_QUERY)
+    assert auto_contexts(32768) == (32, 256, 1024)
+    assert auto_contexts(768) == (32, 256, 768 - widest - 1)  # the main job's policy: its longest rows fit
+    assert auto_contexts(40) == (40 - widest - 1,)  # a model shorter than the grid: one context
