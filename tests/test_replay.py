@@ -1,6 +1,5 @@
 """The harness end to end on the tiny recorded trace: exactness of every method, the oracle,
 resume after a real kill, configs, sweeps and collection."""
-import os
 import signal
 import subprocess
 import sys
