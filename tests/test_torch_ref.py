@@ -186,6 +186,34 @@ def test_prompt_longer_than_context_is_refused(engine64):
         engine64.rollout(long, SamplingConfig(max_new_tokens=48), Baseline(), VerifyConfig())
 
 
+def test_rollout_steps_yield_once_per_iteration_and_keep_their_own_clock(ckpts, engine64):
+    """``rollout_steps`` is ``rollout`` one iteration at a time (the replay's interleaved timing):
+    the same rollouts, one yield per logged iteration, and token times that leave out the time
+    spent between its iterations. A sibling engine runs the same weights with a policy of its own."""
+    import time
+    reqs, sampling = requests(6), SAMPLINGS["t1"]
+    whole = engine64.rollout(reqs, sampling, Baseline(), VerifyConfig())
+    futures = {r.key: r.token_ids[:len(r.token_ids) // 2] for r in whole}  # drafts right for half of each rollout
+    twin = TorchRefEngine(dtype="float64").sibling()
+    twin.share_model(engine64)
+    assert twin.model is engine64.model and twin.policy is not engine64.policy
+    steps, yields, pause = twin.rollout_steps(reqs, sampling, OracleDrafter(futures, 4), VerifyConfig()), 0, 0.02
+    start = time.perf_counter()
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            stepped = done.value
+            break
+        yields += 1
+        time.sleep(pause)  # another method's iteration would run here
+    elapsed = time.perf_counter() - start
+    assert [r.token_ids for r in stepped] == [r.token_ids for r in whole]
+    assert sum(r.num_accepted_tokens for r in stepped) > 0
+    assert yields == twin.last_iterations == len(twin.last_iteration_log) > 5
+    assert max(r.last_token_time for r in stepped) < elapsed - yields * pause + 0.01
+
+
 def test_rollout_before_load_is_refused():
     with pytest.raises(RuntimeError, match="before load"):
         TorchRefEngine().rollout(requests(1), SamplingConfig(), Baseline(), VerifyConfig())

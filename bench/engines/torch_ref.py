@@ -13,6 +13,7 @@ the seconds spent in the forward, the verifier and the drafter), the raw materia
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import time
@@ -166,6 +167,26 @@ class TorchRefEngine:
     def close(self) -> None:
         self.model = self._base = None
 
+    _MODEL_STATE = ("model", "_base", "info", "_arch_key", "_cache_kw", "_keep_kw", "_base_cache_kw")
+
+    def sibling(self) -> "TorchRefEngine":
+        """An engine of the same settings that runs this one's model (no copy of the weights) with a
+        speculation policy of its own: the replay's interleaved timing gives every method one, so
+        that calls in flight together keep their per-call state apart. ``share_model`` after each
+        ``load`` of this engine keeps it on the same weights."""
+        twin = copy.copy(self)
+        twin.policy = SpecPolicy(self.policy.kind, self.policy.max_rows, self.policy.table)
+        twin.last_iterations, twin.last_iteration_log = 0, []
+        return twin
+
+    def share_model(self, other: "TorchRefEngine") -> None:
+        """Run ``other``'s loaded model (and its latency table, where this policy waits for one)."""
+        for name in self._MODEL_STATE:
+            if hasattr(other, name):
+                setattr(self, name, getattr(other, name))
+        if self.policy.table == "auto":
+            self.policy.table = other.policy.table
+
     # ------------------------------------------------------------------ rollouts
     def warm_up(self, requests: list[Request], sampling: SamplingConfig) -> None:
         """One untimed prefill of ``requests`` (one token each, no drafter) right before a timed
@@ -179,6 +200,21 @@ class TorchRefEngine:
 
     def rollout(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
                 verify: VerifyConfig, run_ahead: RunAheadSource | None = None) -> list[Rollout]:
+        steps = self.rollout_steps(requests, sampling, drafter, verify, run_ahead)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def rollout_steps(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
+                      verify: VerifyConfig, run_ahead: RunAheadSource | None = None):
+        """``rollout`` one iteration at a time: a generator that yields after every iteration and
+        returns the rollouts. The replay's interleaved timing (``bench.replay``) advances the calls
+        of several methods in turn, so that every method's iterations run at the same moments of a
+        machine whose speed drifts (measured on this CPU: up to 30% within 150 ms, results/LOG.md).
+        The call's clock (its rollouts' token times) counts only its own iterations, not the time
+        spent between them."""
         if self.model is None or self.info is None:
             raise RuntimeError("TorchRefEngine.rollout called before load(checkpoint)")
         check_rule(verify, sampling)
@@ -199,8 +235,8 @@ class TorchRefEngine:
         self.policy.start_call(_who(drafter))  # one drafter per method in a replay
         self._never_drafts = drafter_mode(drafter) == "baseline"  # no policy work for a drafter that never drafts
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            while rows or waiting:
+        while rows or waiting:
+            with torch.inference_mode():  # entered per iteration: a generator must not hold it across its yields
                 t_iter = time.perf_counter()
                 drafter_s = 0.0
                 free = target - len(rows)
@@ -252,6 +288,9 @@ class TorchRefEngine:
                         row.finish_reason = "abort"
                         ahead.append(self._to_rollout(row))
                     break
+            paused = time.perf_counter()
+            yield
+            t0 += time.perf_counter() - paused  # the call's clock stops while other calls run
         # trained rollouts in request order, then run-ahead ones (finished or aborted) for the record
         return [done[i] for i in range(len(requests))] + ahead
 
