@@ -714,6 +714,9 @@ def main(argv=None) -> None:
                          "interleaved, and keep the median (the run's timing_repeats)")
     ap.add_argument("--policies", default=None,
                     help="policies: only these (comma-separated: fixed, batch_threshold, throughput_optimal)")
+    ap.add_argument("--timing", default="sequential", choices=["sequential", "interleaved", "both"],
+                    help="policies: time a step's methods one after the other, together one iteration of each "
+                         "in turn (the run's interleave=true), or both ways side by side")
     ap.add_argument("--no-control", action="store_true",
                     help="policies: leave out baseline_again (the baseline a second time: the noise floor)")
     ap.add_argument("--steps", type=int, default=12, help="drafter-cost: steps to replay")
@@ -753,6 +756,7 @@ def main(argv=None) -> None:
                                batch_sizes=tuple(args.batch_sizes.split(",")), trace_path=args.trace_path,
                                repeats=args.repeats_policies, control=not args.no_control,
                                timing_repeats=args.timing_repeats,
+                               timings=("sequential", "interleaved") if args.timing == "both" else (args.timing,),
                                policies=None if args.policies is None else tuple(args.policies.split(",")))
         _print(rows)
         return print("\nspeedup over the baseline of the same run, by policy:\n" + summary(rows).to_string())

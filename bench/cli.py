@@ -256,7 +256,18 @@ def prepare(cfg: DictConfig):
     steps = _check_steps(cfg, trace)
     settings = OmegaConf.to_container(cfg.engine, resolve=True)
     engine = _make_engine(settings.pop("name", None), settings)
+    _check_interleave(cfg, engine)
     return trace, values, steps, engine
+
+
+def _check_interleave(cfg: DictConfig, engine) -> None:
+    interleave = cfg.get("interleave", False)
+    if not isinstance(interleave, bool):
+        raise UserError(f"interleave={interleave!r} must be true or false")
+    if interleave and not hasattr(engine, "rollout_steps"):
+        raise UserError(f"interleave=true times the methods of a step one iteration each in turn, which needs an "
+                        f"engine that runs a call one iteration at a time (engine=torch_ref); engine "
+                        f"{cfg.engine.name} does not: set interleave=false")
 
 
 def run(cfg: DictConfig) -> Path:
@@ -272,6 +283,8 @@ def run(cfg: DictConfig) -> Path:
     config["trace"]["path"] = str(trace.root)
     if config.get("timing_repeats", 1) == 1:  # the default measures what runs before the knob measured:
         config.pop("timing_repeats", None)  # the same run id, and those runs still resume
+    if not config.get("interleave", False):
+        config.pop("interleave", None)
     run_id = cfg.run_id or run_id_for(config)
     root = Path(hydra.utils.to_absolute_path(cfg.results_root))
     run_dir = root / run_id
@@ -282,7 +295,8 @@ def run(cfg: DictConfig) -> Path:
           f"results in {run_dir}", file=sys.stderr)
     replay(trace, engine, method_specs(cfg), SamplingConfig(**sampling), writer, steps,
            labels={"run_id": writer.run_id, "trace": trace.name, "engine": cfg.engine.name},
-           progress=bool(cfg.progress), timing_repeats=int(cfg.get("timing_repeats", 1)))
+           progress=bool(cfg.progress), timing_repeats=int(cfg.get("timing_repeats", 1)),
+           interleave=bool(cfg.get("interleave", False)))
     engine.close()
     sources = [run_dir] if "baseline" in cfg.method else [root]
     col = collect(sources, progress=False)

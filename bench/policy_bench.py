@@ -3,6 +3,7 @@
     python -m bench.benchmarks policies [--steps 8] [--batch-sizes all,4] [--trace countdown] [--repeats-policies 1]
     python -m bench.benchmarks policies --trace countdown_search --batch-sizes all --repeats-policies 3   # the main job
     python -m bench.benchmarks policies --trace countdown_search --batch-sizes all --policies throughput_optimal --repeats-policies 6 --timing-repeats 3
+    python -m bench.benchmarks policies --trace countdown_search --batch-sizes all --policies throughput_optimal --repeats-policies 6 --timing-repeats 3 --timing both
 
 One run of the main job's exact methods per (policy, live-batch cap), each with its own baseline
 in the same run (so every speedup is a ratio measured side by side), collected into one table.
@@ -12,6 +13,10 @@ and reports the median speedup and, from three repeats, its inter-quartile range
 replays the baseline a second time as ``baseline_again``: its speedup is the noise floor of the
 same runs (``--no-control`` leaves it out). ``--policies`` picks some of the three.
 ``--timing-repeats R`` times every unit R times inside each run and keeps the median repeat.
+``--timing interleaved`` runs each step's methods together, one iteration of each in turn (the run's
+``interleave=true``), so a drift of the machine's speed hits every method alike; ``--timing both``
+runs every configuration both ways in each round, and the table sets the two side by side (the
+spread of ``baseline_again`` under each is what each design leaves of the machine's noise).
 ``throughput_optimal`` uses the engine's latency table of this machine (profiled once, cached).
 ``--trace-path DIR`` replays a trace folder instead of the named trace's cache.
 """
@@ -29,6 +34,7 @@ POLICIES = (("fixed", []), ("batch_threshold", ["engine.spec_max_rows=32"]),
             ("throughput_optimal", ["engine.latency_table=auto"]))
 METHODS = ("baseline", "prefix_reuse", "prefix_reuse_exact", "tree_cache", "tree_cache_tree", "tree_cache_runahead",
            "history_spec", "suffix_global", "hybrid", "das", "seer")  # the main job's
+TIMINGS = ("sequential", "interleaved")  # the replay's interleave=false / true
 CONTROL = "baseline_again"  # the baseline a second time, under another name: its speedup is the run's noise floor
 CONTROL_OVERRIDE = (f"+method.{CONTROL}={{name:{CONTROL},drafter:{{_target_:methods.baseline.Baseline}},"
                     "verify:{rule:exact,lenience:1.0},run_ahead:false}")
@@ -44,25 +50,32 @@ def rotated(items: tuple, shift: int) -> list:
 
 def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=METHODS, trace: str = "countdown",
                     trace_path: str | None = None, repeats: int = 1, policies: tuple[str, ...] | None = None,
-                    control: bool = True, timing_repeats: int = 1) -> list[dict]:
+                    control: bool = True, timing_repeats: int = 1,
+                    timings: tuple[str, ...] = ("sequential",)) -> list[dict]:
     """One row per (repeat, live-batch cap, policy, method): the speedup over the baseline of the
     same run. ``control`` adds ``baseline_again`` (an A/A pair: its spread over the repeats is
     what the machine's noise alone does to a speedup); ``timing_repeats`` is each run's (every
-    unit timed that many times, methods interleaved, the median kept: ``bench.replay``)."""
+    unit timed that many times, methods interleaved, the median kept: ``bench.replay``);
+    ``timings`` the timing designs, each a run per configuration (``TIMINGS``)."""
     from .collect import collect
     chosen = tuple(p for p in POLICIES if policies is None or p[0] in policies)
     if not chosen:
         raise ValueError(f"policies: none of {policies} is one of {[p for p, _ in POLICIES]}")
+    bad = [t for t in timings if t not in TIMINGS]
+    if bad or not timings:
+        raise ValueError(f"policies: timing must be among {TIMINGS}, got {list(timings)}")
+    configs = tuple((policy, extra, timing) for policy, extra in chosen for timing in timings)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in tqdm(range(repeats), desc="policies", unit="repeat"):
             for batch in batch_sizes:
-                for policy, extra in rotated(chosen, rep):
-                    root = Path(tmp) / f"{policy}-{batch}-{rep}"
+                for policy, extra, timing in rotated(configs, rep):
+                    root = Path(tmp) / f"{policy}-{timing}-{batch}-{rep}"
                     cmd = [sys.executable, "-m", "bench.cli", f"trace={trace}",
                            f"method=[{','.join(rotated(tuple(methods), rep))}]",
                            f"engine.spec_policy={policy}", *extra, f"results_root={root}",
-                           "plots=false", "progress=false", "predict=[]"]
+                           "plots=false", "progress=false", "predict=[]",
+                           f"interleave={str(timing == 'interleaved').lower()}"]
                     if control:
                         cmd.append(CONTROL_OVERRIDE)
                     if steps:
@@ -78,16 +91,19 @@ def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=MET
                         raise RuntimeError(f"policies: {' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
                     table = collect([root], progress=False).table
                     for r in table.itertuples():
-                        rows.append({"live_rows": batch, "policy": policy, "repeat": rep, "method": r.method,
+                        rows.append({"live_rows": batch, "policy": policy, "timing": timing, "repeat": rep,
+                                     "method": r.method,
                                      "tokens_per_step": r.tokens_per_step, "speedup": r.speedup,
                                      "speedup_std": r.speedup_std, "identity_rate": r.identity_rate})
     return rows
 
 
 def summary(rows: list[dict]) -> pd.DataFrame:
-    """speedup by (live rows, method) x policy: the median over repeats, and with more than two
-    repeats its inter-quartile range beside it (``policy q25-q75``)."""
+    """speedup by (live rows, method) x policy (x timing, where there were two): the median over
+    repeats, and with more than two repeats its inter-quartile range beside it (``policy q25-q75``)."""
     frame = pd.DataFrame(rows)
+    if "timing" in frame and frame["timing"].nunique() > 1:
+        frame = frame.assign(policy=frame["policy"] + " " + frame["timing"])
     med = frame.pivot_table(index=["live_rows", "method"], columns="policy", values="speedup", aggfunc="median")
     if frame["repeat"].nunique() < 3:
         return med.round(3)

@@ -126,7 +126,7 @@ def feed_recorded(drafter: Drafter, trace: Trace, step: int) -> None:
 def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: SamplingConfig,
            writer: RunWriter, steps: list[int] | None = None, n: int | None = None,
            labels: dict[str, Any] | None = None, progress: bool = True,
-           stop_after_units: int | None = None, timing_repeats: int = 1) -> None:
+           stop_after_units: int | None = None, timing_repeats: int = 1, interleave: bool = False) -> None:
     """Replay ``steps`` (default: all) of ``trace`` with every method; results go to ``writer``.
 
     Units already committed in ``writer``'s folder are skipped and each method resumes from its
@@ -143,14 +143,26 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
     itself, results/LOG.md), and a median of interleaved repeats rejects such a spell where one
     timing cannot. Exact methods emit the same tokens in every repeat (coupled sampling); the
     drafts may differ where a speculation policy reads the clock.
+
+    ``interleave`` runs the rollout calls of a step's methods together, one iteration of each in
+    turn (``_interleaved_units``), each method on a sibling engine of its own that shares the
+    loaded model; a unit's seconds are the sum of its own iterations'. Why: this CPU's speed drifts
+    by up to 30% within 150 ms and back (the same baseline call's passes, results/LOG.md), so two
+    methods timed one after the other see different machines, and two timed in turn, iteration by
+    iteration, see the same one. Tokens, counters and resumes are as without it.
     """
     if timing_repeats < 1:
         raise ValueError(f"timing_repeats must be >= 1, got {timing_repeats}")
+    if interleave and not (hasattr(engine, "rollout_steps") and hasattr(engine, "sibling")):
+        raise ValueError(f"interleave=true needs an engine that runs a rollout call one iteration at a time "
+                         f"(torch_ref); engine {getattr(engine, 'name', type(engine).__name__)} does not: "
+                         f"set interleave=false")
     steps = list(steps if steps is not None else trace.step_numbers)
     n = n or trace.sampling.n
     labels = dict(labels or {})
     done = writer.done_units()
     drafters = {m.name: resumed_drafter(m, steps, done, writer) for m in methods}
+    engines = {m.name: engine.sibling() if interleave else engine for m in methods}  # who runs each method
     bar = tqdm(steps, desc="replay", disable=not progress, unit="step")
     warmed = False
     committed = 0
@@ -159,6 +171,9 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
         if not todo:
             continue
         engine.load(trace.checkpoint(step))
+        for twin in engines.values():
+            if twin is not engine:
+                twin.share_model(engine)
         requests = step_requests(trace, step, n)
         if not warmed:  # one throwaway call so one-time costs (allocator, kernels) hit no method's clock
             engine.rollout(requests[:1], sampling, NullDrafter(), VerifyConfig())
@@ -175,26 +190,35 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
             if hasattr(drafter, "reset_stats"):
                 drafter.reset_stats()  # counters per step; cache sizes are state and stay
             if timing_repeats > 1:
-                start_state[m.name] = pickle.dumps(drafter, protocol=5), _policy_state(engine, drafter)
+                start_state[m.name] = pickle.dumps(drafter, protocol=5), _policy_state(engines[m.name], drafter)
         timed: dict[str, list[dict]] = {m.name: [] for m in todo}
         for rep in range(timing_repeats):
             shift = (i + rep) % len(todo)  # rotate the order so no method is always first after a checkpoint swap
-            for m in todo[shift:] + todo[:shift]:
-                bar.set_postfix_str(f"step {step}: {m.name}" + (f" ({rep + 1}/{timing_repeats})"
-                                                                 if timing_repeats > 1 else ""))
-                drafter = drafters[m.name]
+            order = todo[shift:] + todo[:shift]
+            for m in order:
                 if rep:  # every repeat from the step's starting state, in the same object (the engine's
-                    _restore(drafter, start_state[m.name][0])  # policy keeps its fits by drafter), and from
-                    _restore_policy_state(engine, drafter, start_state[m.name][1])  # the same policy evidence
-                timed[m.name].append(_timed_unit(engine, requests, sampling, drafter, m, trace, step, n,
-                                                 next_step, recorded, labels, timing_repeats > 1))
+                    _restore(drafters[m.name], start_state[m.name][0])  # policy keeps its fits by drafter),
+                    _restore_policy_state(engines[m.name], drafters[m.name], start_state[m.name][1])  # same evidence
+            repeat = f" ({rep + 1}/{timing_repeats})" if timing_repeats > 1 else ""
+            if interleave:
+                bar.set_postfix_str(f"step {step}: {len(order)} methods interleaved{repeat}")
+                units = _interleaved_units(engines, drafters, order, requests, sampling, trace, step, n,
+                                           next_step, recorded, labels, timing_repeats > 1)
+            for m in order:
+                drafter = drafters[m.name]
+                if interleave:
+                    timed[m.name].append(units[m.name])
+                else:
+                    bar.set_postfix_str(f"step {step}: {m.name}{repeat}")
+                    timed[m.name].append(_timed_unit(engine, requests, sampling, drafter, m, trace, step, n,
+                                                     next_step, recorded, labels, timing_repeats > 1))
                 if rep < timing_repeats - 1:
                     continue
                 runs = timed.pop(m.name)  # its last repeat: the unit is committed now, as its median repeat
                 kept = sorted(runs, key=lambda u: u["wall"])[(len(runs) - 1) // 2]
                 if len(runs) > 1:
                     _restore(drafter, kept["state"])
-                    _restore_policy_state(engine, drafter, kept["policy"])
+                    _restore_policy_state(engines[m.name], drafter, kept["policy"])
                     walls = [u["wall"] for u in runs]
                     kept["srow"].update(timing_repeats=len(runs), wall_s_min=min(walls), wall_s_max=max(walls))
                 writer.write_unit(step, m.name, kept["rows"], kept["srow"],
@@ -210,16 +234,58 @@ def _timed_unit(engine: Engine, requests: list[Request], sampling: SamplingConfi
                 recorded: dict | None, labels: dict, keep_state: bool) -> dict:
     """One timed rollout call of a unit: its rollout rows, step row, iteration log and (for
     timing repeats) the drafter's state after it."""
-    run_ahead = None
-    if m.run_ahead and next_step is not None:
-        run_ahead = RunAheadQueue(run_ahead_requests(trace, step, next_step, n))
+    run_ahead = _run_ahead(m, trace, step, next_step, n)
     gc.collect()  # a collector pause belongs to no method's clock
-    warm_up = getattr(engine, "warm_up", None)  # engines whose first pass after other work is slow
-    if warm_up is not None:
-        warm_up(requests, sampling)
+    _warm_up(engine, requests, sampling)
     t0 = time.perf_counter()
     rollouts = engine.rollout(requests, sampling, drafter, m.verify, run_ahead=run_ahead)
     wall = time.perf_counter() - t0
+    return _unit(engine, rollouts, wall, drafter, m, trace, recorded, labels, keep_state)
+
+
+def _interleaved_units(engines: dict[str, Engine], drafters: dict[str, Drafter], order: list[MethodSpec],
+                       requests: list[Request], sampling: SamplingConfig, trace: Trace, step: int, n: int,
+                       next_step: int | None, recorded: dict | None, labels: dict, keep_state: bool) -> dict:
+    """The rollout calls of ``order``'s methods advanced together, one iteration of each in turn
+    (``rollout_steps``), each on its own engine: per method the unit ``_timed_unit`` would give,
+    its seconds the sum of its own iterations'."""
+    run_ahead = {m.name: _run_ahead(m, trace, step, next_step, n) for m in order}
+    gc.collect()
+    for m in order:
+        _warm_up(engines[m.name], requests, sampling)
+    calls = {m.name: engines[m.name].rollout_steps(requests, sampling, drafters[m.name], m.verify,
+                                                   run_ahead=run_ahead[m.name]) for m in order}
+    walls = dict.fromkeys(calls, 0.0)
+    rollouts: dict[str, list[Rollout]] = {}
+    while calls:
+        for name, call in list(calls.items()):
+            t0 = time.perf_counter()
+            try:
+                next(call)
+            except StopIteration as finished:
+                rollouts[name] = finished.value
+                del calls[name]
+            walls[name] += time.perf_counter() - t0
+    return {m.name: _unit(engines[m.name], rollouts[m.name], walls[m.name], drafters[m.name], m, trace, recorded,
+                          labels, keep_state) for m in order}
+
+
+def _run_ahead(m: MethodSpec, trace: Trace, step: int, next_step: int | None, n: int) -> "RunAheadQueue | None":
+    """The run-ahead rollouts a unit may admit (SRT's: the next step's prompts), None without."""
+    if m.run_ahead and next_step is not None:
+        return RunAheadQueue(run_ahead_requests(trace, step, next_step, n))
+    return None
+
+
+def _warm_up(engine: Engine, requests: list[Request], sampling: SamplingConfig) -> None:
+    warm_up = getattr(engine, "warm_up", None)  # engines whose first pass after other work is slow
+    if warm_up is not None:
+        warm_up(requests, sampling)
+
+
+def _unit(engine: Engine, rollouts: list[Rollout], wall: float, drafter: Drafter, m: MethodSpec, trace: Trace,
+          recorded: dict | None, labels: dict, keep_state: bool) -> dict:
+    """A finished rollout call as a unit: rollout rows, step row, iteration log, drafter state."""
     rows = [rollout_row(r, **labels, method=m.name,
                         reward=trace.reward(r.key.prompt_id, r.token_ids) if trace.has_reward else None,
                         matches_recorded=None if recorded is None or r.run_ahead else

@@ -172,6 +172,60 @@ def test_timing_repeats_keep_the_median_repeat_and_change_no_count(tmp_path):
     _assert_same_run(tmp_path / "thrice", tmp_path / "once", ignore=("timing_repeats", "wall_s_min", "wall_s_max"))
 
 
+def test_interleaved_timing_changes_no_token_or_count_and_resumes(tmp_path, monkeypatch):
+    """interleave=true runs a step's methods together, one iteration of each in turn, each on its
+    own engine: every token, counter and later draft equals the one-after-the-other run's (the
+    fixed policy reads no clock), with timing repeats and when killed after every unit and
+    resumed; and the iterations really alternate between the methods' engines."""
+    from bench.cli import method_specs
+    from bench.record import ensure_trace
+    from bench.replay import ReplayInterrupted
+    trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
+    cfg = cfg_for("method=[" + ",".join(RESUME_METHODS) + "]", "engine.dtype=float64")
+    config = {"trace": {"name": trace.name}, "engine": {"name": "torch_ref"}, "methods": RESUME_METHODS}
+    steps, sampling = trace.step_numbers[:3], trace.sampling.to_config()
+    labels = {"trace": trace.name, "engine": "torch_ref"}
+    replay(trace, TorchRefEngine(dtype="float64"), method_specs(cfg), sampling, RunWriter(tmp_path / "one", config),
+           steps, progress=False, labels=labels)
+    order = []
+    log_iteration = TorchRefEngine._log_iteration
+
+    def spy(self, *args):
+        order.append(id(self))
+        return log_iteration(self, *args)
+
+    monkeypatch.setattr(TorchRefEngine, "_log_iteration", spy)
+    replay(trace, TorchRefEngine(dtype="float64"), method_specs(cfg), sampling,
+           RunWriter(tmp_path / "together", config), steps, progress=False, labels=labels, timing_repeats=2,
+           interleave=True)
+    switches = sum(a != b for a, b in zip(order, order[1:]))
+    assert len(set(order)) == len(RESUME_METHODS) + 1  # one engine per method, and the replay's (its untimed first call)
+    assert switches > len(order) / 2
+    _, _, _, together = load_run(tmp_path / "together")
+    assert (together["wall_s"] > 0).all() and (together["timing_repeats"] == 2).all()
+    _assert_same_run(tmp_path / "together", tmp_path / "one", ignore=("timing_repeats", "wall_s_min", "wall_s_max"))
+    restarts = 0
+    while True:  # a unit commits when its step's interleaved calls end: a kill loses the step's others
+        try:
+            replay(trace, TorchRefEngine(dtype="float64"), method_specs(cfg), sampling,
+                   RunWriter(tmp_path / "killed", config), steps, progress=False, labels=labels,
+                   stop_after_units=1, interleave=True)
+            break
+        except ReplayInterrupted:
+            restarts += 1
+    assert restarts == len(steps) * len(RESUME_METHODS)
+    _assert_same_run(tmp_path / "killed", tmp_path / "one")
+
+
+def test_interleave_needs_an_engine_that_runs_one_iteration_at_a_time(tmp_path):
+    from bench.cli import UserError, _check_interleave
+    from bench.engines.vllm import VLLMEngine
+    with pytest.raises(UserError, match="interleave=false"):
+        _check_interleave(cfg_for("engine=vllm", "interleave=true"), VLLMEngine)
+    with pytest.raises(UserError, match="true or false"):
+        _check_interleave(cfg_for("interleave=3"), TorchRefEngine)
+
+
 def test_resume_after_a_real_kill_mid_unit_equals_the_uninterrupted_run(tmp_path):
     from bench.record import ensure_trace
     ensure_trace("countdown-tiny", tiny=True)  # recorded before the clock starts
