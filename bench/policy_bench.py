@@ -93,7 +93,8 @@ def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=MET
                     for r in table.itertuples():
                         rows.append({"live_rows": batch, "policy": policy, "timing": timing, "repeat": rep,
                                      "method": r.method,
-                                     "tokens_per_step": r.tokens_per_step, "speedup": r.speedup,
+                                     "tokens_per_step": r.tokens_per_step, "rollout_wall_s": r.rollout_wall_s,
+                                     "speedup": r.speedup,
                                      "speedup_std": r.speedup_std, "identity_rate": r.identity_rate})
     return rows
 
