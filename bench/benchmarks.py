@@ -717,6 +717,8 @@ def main(argv=None) -> None:
     ap.add_argument("--timing", default="sequential", choices=["sequential", "interleaved", "both"],
                     help="policies: time a step's methods one after the other, together one iteration of each "
                          "in turn (the run's interleave=true), or both ways side by side")
+    ap.add_argument("--interleave-turn", type=int, default=1,
+                    help="policies, --timing interleaved/both: iterations of a call a turn (the run's interleave_turn)")
     ap.add_argument("--no-control", action="store_true",
                     help="policies: leave out baseline_again (the baseline a second time: the noise floor)")
     ap.add_argument("--steps", type=int, default=12, help="drafter-cost: steps to replay")
@@ -757,6 +759,7 @@ def main(argv=None) -> None:
                                repeats=args.repeats_policies, control=not args.no_control,
                                timing_repeats=args.timing_repeats,
                                timings=("sequential", "interleaved") if args.timing == "both" else (args.timing,),
+                               interleave_turn=args.interleave_turn,
                                policies=None if args.policies is None else tuple(args.policies.split(",")))
         _print(rows)
         return print("\nspeedup over the baseline of the same run, by policy:\n" + summary(rows).to_string())

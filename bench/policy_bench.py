@@ -17,6 +17,7 @@ same runs (``--no-control`` leaves it out). ``--policies`` picks some of the thr
 ``interleave=true``), so a drift of the machine's speed hits every method alike; ``--timing both``
 runs every configuration both ways in each round, and the table sets the two side by side (the
 spread of ``baseline_again`` under each is what each design leaves of the machine's noise).
+``--interleave-turn K`` gives each call K iterations a turn (the run's ``interleave_turn``).
 ``throughput_optimal`` uses the engine's latency table of this machine (profiled once, cached).
 ``--trace-path DIR`` replays a trace folder instead of the named trace's cache.
 """
@@ -51,11 +52,11 @@ def rotated(items: tuple, shift: int) -> list:
 def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=METHODS, trace: str = "countdown",
                     trace_path: str | None = None, repeats: int = 1, policies: tuple[str, ...] | None = None,
                     control: bool = True, timing_repeats: int = 1,
-                    timings: tuple[str, ...] = ("sequential",)) -> list[dict]:
+                    timings: tuple[str, ...] = ("sequential",), interleave_turn: int = 1) -> list[dict]:
     """One row per (repeat, live-batch cap, policy, method): the speedup over the baseline of the
     same run. ``control`` adds ``baseline_again`` (an A/A pair: its spread over the repeats is
     what the machine's noise alone does to a speedup); ``timing_repeats`` is each run's (every
-    unit timed that many times, methods interleaved, the median kept: ``bench.replay``);
+    unit timed that many times, in rounds of every method, the median kept: ``bench.replay``);
     ``timings`` the timing designs, each a run per configuration (``TIMINGS``)."""
     from .collect import collect
     chosen = tuple(p for p in POLICIES if policies is None or p[0] in policies)
@@ -76,6 +77,8 @@ def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=MET
                            f"engine.spec_policy={policy}", *extra, f"results_root={root}",
                            "plots=false", "progress=false", "predict=[]",
                            f"interleave={str(timing == 'interleaved').lower()}"]
+                    if timing == "interleaved" and interleave_turn != 1:
+                        cmd.append(f"interleave_turn={interleave_turn}")
                     if control:
                         cmd.append(CONTROL_OVERRIDE)
                     if steps:

@@ -126,7 +126,8 @@ def feed_recorded(drafter: Drafter, trace: Trace, step: int) -> None:
 def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: SamplingConfig,
            writer: RunWriter, steps: list[int] | None = None, n: int | None = None,
            labels: dict[str, Any] | None = None, progress: bool = True,
-           stop_after_units: int | None = None, timing_repeats: int = 1, interleave: bool = False) -> None:
+           stop_after_units: int | None = None, timing_repeats: int = 1, interleave: bool = False,
+           interleave_turn: int = 1) -> None:
     """Replay ``steps`` (default: all) of ``trace`` with every method; results go to ``writer``.
 
     Units already committed in ``writer``'s folder are skipped and each method resumes from its
@@ -149,10 +150,16 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
     loaded model; a unit's seconds are the sum of its own iterations'. Why: this CPU's speed drifts
     by up to 30% within 150 ms and back (the same baseline call's passes, results/LOG.md), so two
     methods timed one after the other see different machines, and two timed in turn, iteration by
-    iteration, see the same one. Tokens, counters and resumes are as without it.
+    iteration, see the same one. Tokens, counters and resumes are as without it. The price: a call
+    resumed after the others' iterations finds the caches cold, which costs a rollout call of the
+    main job up to a quarter more of its own seconds, mostly in the tail, and so favours methods
+    that need fewer iterations (measured, results/LOG.md). ``interleave_turn`` k gives each call k
+    iterations a turn: the penalty falls about k-fold, the drift cancels less.
     """
     if timing_repeats < 1:
         raise ValueError(f"timing_repeats must be >= 1, got {timing_repeats}")
+    if not isinstance(interleave_turn, int) or isinstance(interleave_turn, bool) or interleave_turn < 1:
+        raise ValueError(f"interleave_turn must be a whole number >= 1 (iterations a turn), got {interleave_turn!r}")
     if interleave and not (hasattr(engine, "rollout_steps") and hasattr(engine, "sibling")):
         raise ValueError(f"interleave=true needs an engine that runs a rollout call one iteration at a time "
                          f"(torch_ref); engine {getattr(engine, 'name', type(engine).__name__)} does not: "
@@ -203,7 +210,7 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
             if interleave:
                 bar.set_postfix_str(f"step {step}: {len(order)} methods interleaved{repeat}")
                 units = _interleaved_units(engines, drafters, order, requests, sampling, trace, step, n,
-                                           next_step, recorded, labels, timing_repeats > 1)
+                                           next_step, recorded, labels, timing_repeats > 1, interleave_turn)
             for m in order:
                 drafter = drafters[m.name]
                 if interleave:
@@ -245,10 +252,11 @@ def _timed_unit(engine: Engine, requests: list[Request], sampling: SamplingConfi
 
 def _interleaved_units(engines: dict[str, Engine], drafters: dict[str, Drafter], order: list[MethodSpec],
                        requests: list[Request], sampling: SamplingConfig, trace: Trace, step: int, n: int,
-                       next_step: int | None, recorded: dict | None, labels: dict, keep_state: bool) -> dict:
-    """The rollout calls of ``order``'s methods advanced together, one iteration of each in turn
-    (``rollout_steps``), each on its own engine: per method the unit ``_timed_unit`` would give,
-    its seconds the sum of its own iterations'."""
+                       next_step: int | None, recorded: dict | None, labels: dict, keep_state: bool,
+                       turn: int = 1) -> dict:
+    """The rollout calls of ``order``'s methods advanced together, ``turn`` iterations of each in
+    turn (``rollout_steps``), each on its own engine: per method the unit ``_timed_unit`` would
+    give, its seconds the sum of its own turns'."""
     run_ahead = {m.name: _run_ahead(m, trace, step, next_step, n) for m in order}
     gc.collect()
     for m in order:
@@ -261,13 +269,17 @@ def _interleaved_units(engines: dict[str, Engine], drafters: dict[str, Drafter],
         for name, call in list(calls.items()):
             t0 = time.perf_counter()
             try:
-                next(call)
+                for _ in range(turn):
+                    next(call)
             except StopIteration as finished:
                 rollouts[name] = finished.value
                 del calls[name]
             walls[name] += time.perf_counter() - t0
-    return {m.name: _unit(engines[m.name], rollouts[m.name], walls[m.name], drafters[m.name], m, trace, recorded,
-                          labels, keep_state) for m in order}
+    units = {m.name: _unit(engines[m.name], rollouts[m.name], walls[m.name], drafters[m.name], m, trace, recorded,
+                           labels, keep_state) for m in order}
+    for unit in units.values():
+        unit["srow"]["interleaved"] = len(order)  # steps.parquet: how many calls ran together
+    return units
 
 
 def _run_ahead(m: MethodSpec, trace: Trace, step: int, next_step: int | None, n: int) -> "RunAheadQueue | None":

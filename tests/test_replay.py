@@ -152,7 +152,7 @@ def test_resume_at_every_unit_boundary_equals_the_uninterrupted_run(tmp_path):
 
 
 def test_timing_repeats_keep_the_median_repeat_and_change_no_count(tmp_path):
-    """Each unit timed three times, the methods interleaved, every repeat from the step's starting
+    """Each unit timed three times, in rounds of every method, every repeat from the step's starting
     drafter state: every token and counter, and every later draft, equals the once-timed run's
     (the fixed policy reads no clock), and the kept seconds are the median of the three."""
     from bench.cli import method_specs
@@ -176,7 +176,8 @@ def test_interleaved_timing_changes_no_token_or_count_and_resumes(tmp_path, monk
     """interleave=true runs a step's methods together, one iteration of each in turn, each on its
     own engine: every token, counter and later draft equals the one-after-the-other run's (the
     fixed policy reads no clock), with timing repeats and when killed after every unit and
-    resumed; and the iterations really alternate between the methods' engines."""
+    resumed (in turns of 3 iterations); and the iterations really alternate between the methods'
+    engines."""
     from bench.cli import method_specs
     from bench.record import ensure_trace
     from bench.replay import ReplayInterrupted
@@ -203,18 +204,20 @@ def test_interleaved_timing_changes_no_token_or_count_and_resumes(tmp_path, monk
     assert switches > len(order) / 2
     _, _, _, together = load_run(tmp_path / "together")
     assert (together["wall_s"] > 0).all() and (together["timing_repeats"] == 2).all()
-    _assert_same_run(tmp_path / "together", tmp_path / "one", ignore=("timing_repeats", "wall_s_min", "wall_s_max"))
+    assert (together["interleaved"] == len(RESUME_METHODS)).all()
+    _assert_same_run(tmp_path / "together", tmp_path / "one",
+                     ignore=("timing_repeats", "wall_s_min", "wall_s_max", "interleaved"))
     restarts = 0
     while True:  # a unit commits when its step's interleaved calls end: a kill loses the step's others
         try:
             replay(trace, TorchRefEngine(dtype="float64"), method_specs(cfg), sampling,
                    RunWriter(tmp_path / "killed", config), steps, progress=False, labels=labels,
-                   stop_after_units=1, interleave=True)
+                   stop_after_units=1, interleave=True, interleave_turn=3)
             break
         except ReplayInterrupted:
             restarts += 1
     assert restarts == len(steps) * len(RESUME_METHODS)
-    _assert_same_run(tmp_path / "killed", tmp_path / "one")
+    _assert_same_run(tmp_path / "killed", tmp_path / "one", ignore=("interleaved",))
 
 
 def test_interleave_needs_an_engine_that_runs_one_iteration_at_a_time(tmp_path):
@@ -224,6 +227,8 @@ def test_interleave_needs_an_engine_that_runs_one_iteration_at_a_time(tmp_path):
         _check_interleave(cfg_for("engine=vllm", "interleave=true"), VLLMEngine)
     with pytest.raises(UserError, match="true or false"):
         _check_interleave(cfg_for("interleave=3"), TorchRefEngine)
+    with pytest.raises(UserError, match="interleave_turn=0"):
+        _check_interleave(cfg_for("interleave=true", "interleave_turn=0"), TorchRefEngine)
 
 
 def test_resume_after_a_real_kill_mid_unit_equals_the_uninterrupted_run(tmp_path):
