@@ -715,10 +715,11 @@ def main(argv=None) -> None:
     ap.add_argument("--policies", default=None,
                     help="policies: only these (comma-separated: fixed, batch_threshold, throughput_optimal)")
     ap.add_argument("--timing", default="sequential", choices=["sequential", "interleaved", "both"],
-                    help="policies: time a step's methods one after the other, together one iteration of each "
+                    help="policies: time a step's methods one after the other, together a few iterations of each "
                          "in turn (the run's interleave=true), or both ways side by side")
-    ap.add_argument("--interleave-turn", type=int, default=1,
-                    help="policies, --timing interleaved/both: iterations of a call a turn (the run's interleave_turn)")
+    ap.add_argument("--interleave-turn", type=int, default=None,
+                    help="policies, --timing interleaved/both: iterations of a call a turn (the run's "
+                         "interleave_turn; default: its default, 4)")
     ap.add_argument("--no-control", action="store_true",
                     help="policies: leave out baseline_again (the baseline a second time: the noise floor)")
     ap.add_argument("--steps", type=int, default=12, help="drafter-cost: steps to replay")

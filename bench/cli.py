@@ -264,7 +264,7 @@ def _check_interleave(cfg: DictConfig, engine) -> None:
     interleave = cfg.get("interleave", False)
     if not isinstance(interleave, bool):
         raise UserError(f"interleave={interleave!r} must be true or false")
-    turn = cfg.get("interleave_turn", 1)
+    turn = cfg.get("interleave_turn", 4)
     if not isinstance(turn, int) or isinstance(turn, bool) or turn < 1:
         raise UserError(f"interleave_turn={turn!r} must be a whole number >= 1 (iterations of a call a turn)")
     if interleave and not hasattr(engine, "rollout_steps"):
@@ -288,7 +288,7 @@ def run(cfg: DictConfig) -> Path:
         config.pop("timing_repeats", None)  # the same run id, and those runs still resume
     if not config.get("interleave", False):
         config.pop("interleave", None)
-    if not config.get("interleave", False) or config.get("interleave_turn", 1) == 1:
+    if not config.get("interleave", False):
         config.pop("interleave_turn", None)
     run_id = cfg.run_id or run_id_for(config)
     root = Path(hydra.utils.to_absolute_path(cfg.results_root))
@@ -301,7 +301,7 @@ def run(cfg: DictConfig) -> Path:
     replay(trace, engine, method_specs(cfg), SamplingConfig(**sampling), writer, steps,
            labels={"run_id": writer.run_id, "trace": trace.name, "engine": cfg.engine.name},
            progress=bool(cfg.progress), timing_repeats=int(cfg.get("timing_repeats", 1)),
-           interleave=bool(cfg.get("interleave", False)), interleave_turn=int(cfg.get("interleave_turn", 1)))
+           interleave=bool(cfg.get("interleave", False)), interleave_turn=int(cfg.get("interleave_turn", 4)))
     engine.close()
     sources = [run_dir] if "baseline" in cfg.method else [root]
     col = collect(sources, progress=False)

@@ -13,11 +13,11 @@ and reports the median speedup and, from three repeats, its inter-quartile range
 replays the baseline a second time as ``baseline_again``: its speedup is the noise floor of the
 same runs (``--no-control`` leaves it out). ``--policies`` picks some of the three.
 ``--timing-repeats R`` times every unit R times inside each run and keeps the median repeat.
-``--timing interleaved`` runs each step's methods together, one iteration of each in turn (the run's
+``--timing interleaved`` runs each step's methods together, a few iterations of each in turn (the run's
 ``interleave=true``), so a drift of the machine's speed hits every method alike; ``--timing both``
 runs every configuration both ways in each round, and the table sets the two side by side (the
 spread of ``baseline_again`` under each is what each design leaves of the machine's noise).
-``--interleave-turn K`` gives each call K iterations a turn (the run's ``interleave_turn``).
+``--interleave-turn K`` gives each call K iterations a turn (the run's ``interleave_turn``, default 4).
 ``throughput_optimal`` uses the engine's latency table of this machine (profiled once, cached).
 ``--trace-path DIR`` replays a trace folder instead of the named trace's cache.
 """
@@ -52,7 +52,7 @@ def rotated(items: tuple, shift: int) -> list:
 def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=METHODS, trace: str = "countdown",
                     trace_path: str | None = None, repeats: int = 1, policies: tuple[str, ...] | None = None,
                     control: bool = True, timing_repeats: int = 1,
-                    timings: tuple[str, ...] = ("sequential",), interleave_turn: int = 1) -> list[dict]:
+                    timings: tuple[str, ...] = ("sequential",), interleave_turn: int | None = None) -> list[dict]:
     """One row per (repeat, live-batch cap, policy, method): the speedup over the baseline of the
     same run. ``control`` adds ``baseline_again`` (an A/A pair: its spread over the repeats is
     what the machine's noise alone does to a speedup); ``timing_repeats`` is each run's (every
@@ -77,7 +77,7 @@ def policy_speedups(steps: int | None = 8, batch_sizes=("all", "4"), methods=MET
                            f"engine.spec_policy={policy}", *extra, f"results_root={root}",
                            "plots=false", "progress=false", "predict=[]",
                            f"interleave={str(timing == 'interleaved').lower()}"]
-                    if timing == "interleaved" and interleave_turn != 1:
+                    if timing == "interleaved" and interleave_turn is not None:
                         cmd.append(f"interleave_turn={interleave_turn}")
                     if control:
                         cmd.append(CONTROL_OVERRIDE)

@@ -173,11 +173,11 @@ def test_timing_repeats_keep_the_median_repeat_and_change_no_count(tmp_path):
 
 
 def test_interleaved_timing_changes_no_token_or_count_and_resumes(tmp_path, monkeypatch):
-    """interleave=true runs a step's methods together, one iteration of each in turn, each on its
+    """interleave=true runs a step's methods together, a few iterations of each in turn, each on its
     own engine: every token, counter and later draft equals the one-after-the-other run's (the
-    fixed policy reads no clock), with timing repeats and when killed after every unit and
-    resumed (in turns of 3 iterations); and the iterations really alternate between the methods'
-    engines."""
+    fixed policy reads no clock), in turns of 1 iteration with timing repeats and in turns of 3
+    when killed after every unit and resumed; and the iterations really alternate between the
+    methods' engines."""
     from bench.cli import method_specs
     from bench.record import ensure_trace
     from bench.replay import ReplayInterrupted
@@ -198,7 +198,7 @@ def test_interleaved_timing_changes_no_token_or_count_and_resumes(tmp_path, monk
     monkeypatch.setattr(TorchRefEngine, "_log_iteration", spy)
     replay(trace, TorchRefEngine(dtype="float64"), method_specs(cfg), sampling,
            RunWriter(tmp_path / "together", config), steps, progress=False, labels=labels, timing_repeats=2,
-           interleave=True)
+           interleave=True, interleave_turn=1)
     switches = sum(a != b for a, b in zip(order, order[1:]))
     assert len(set(order)) == len(RESUME_METHODS) + 1  # one engine per method, and the replay's (its untimed first call)
     assert switches > len(order) / 2
