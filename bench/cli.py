@@ -268,7 +268,7 @@ def _check_interleave(cfg: DictConfig, engine) -> None:
     if not isinstance(turn, int) or isinstance(turn, bool) or turn < 1:
         raise UserError(f"interleave_turn={turn!r} must be a whole number >= 1 (iterations of a call a turn)")
     if interleave and not hasattr(engine, "rollout_steps"):
-        raise UserError(f"interleave=true times the methods of a step one iteration each in turn, which needs an "
+        raise UserError(f"interleave=true times the methods of a step a few iterations each in turn, which needs an "
                         f"engine that runs a call one iteration at a time (engine=torch_ref); engine "
                         f"{cfg.engine.name} does not: set interleave=false")
 
@@ -286,9 +286,8 @@ def run(cfg: DictConfig) -> Path:
     config["trace"]["path"] = str(trace.root)
     if config.get("timing_repeats", 1) == 1:  # the default measures what runs before the knob measured:
         config.pop("timing_repeats", None)  # the same run id, and those runs still resume
-    if not config.get("interleave", False):
+    if not config.get("interleave", False):  # likewise: a run timed one method after another keeps its id
         config.pop("interleave", None)
-    if not config.get("interleave", False):
         config.pop("interleave_turn", None)
     run_id = cfg.run_id or run_id_for(config)
     root = Path(hydra.utils.to_absolute_path(cfg.results_root))

@@ -146,11 +146,11 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
     drafts may differ where a speculation policy reads the clock.
 
     ``interleave`` runs the rollout calls of a step's methods together, ``interleave_turn``
-    iterations of each in turn (``_interleaved_units``), each method on a sibling engine of its own that shares the
-    loaded model; a unit's seconds are the sum of its own iterations'. Why: this CPU's speed drifts
-    by up to 30% within 150 ms and back (the same baseline call's passes, results/LOG.md), so two
-    methods timed one after the other see different machines, and two timed in turn, iteration by
-    iteration, see the same one. Tokens, counters and resumes are as without it. The price: a call
+    iterations of each in turn (``_interleaved_units``), each method on a sibling engine of its
+    own that shares the loaded model; a unit's seconds are the sum of its own iterations'. Why:
+    this CPU's speed drifts by up to 30% within 150 ms and back (the same baseline call's passes,
+    results/LOG.md), so two methods timed one after the other see different machines, and two
+    timed in turn, a few iterations at a time, see nearly the same one. Tokens, counters and resumes are as without it. The price: a call
     resumed after the others' iterations finds the caches cold, which costs a rollout call of the
     main job up to a quarter more of its own seconds, mostly in the tail, and so favours methods
     that need fewer iterations. ``interleave_turn`` k gives each call k iterations a turn: measured
@@ -255,7 +255,7 @@ def _timed_unit(engine: Engine, requests: list[Request], sampling: SamplingConfi
 def _interleaved_units(engines: dict[str, Engine], drafters: dict[str, Drafter], order: list[MethodSpec],
                        requests: list[Request], sampling: SamplingConfig, trace: Trace, step: int, n: int,
                        next_step: int | None, recorded: dict | None, labels: dict, keep_state: bool,
-                       turn: int = 1) -> dict:
+                       turn: int) -> dict:
     """The rollout calls of ``order``'s methods advanced together, ``turn`` iterations of each in
     turn (``rollout_steps``), each on its own engine: per method the unit ``_timed_unit`` would
     give, its seconds the sum of its own turns'."""
