@@ -220,7 +220,7 @@ def test_interleaved_timing_changes_no_token_or_count_and_resumes(tmp_path, monk
     _assert_same_run(tmp_path / "killed", tmp_path / "one", ignore=("interleaved",))
 
 
-def test_interleave_needs_an_engine_that_runs_one_iteration_at_a_time(tmp_path):
+def test_interleave_needs_an_engine_that_runs_one_iteration_at_a_time():
     from bench.cli import UserError, _check_interleave
     from bench.engines.vllm import VLLMEngine
     with pytest.raises(UserError, match="interleave=false"):
