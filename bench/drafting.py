@@ -17,25 +17,38 @@ from typing import Collection, Sequence
 from methods.base import Draft, Drafter, RolloutKey
 
 
-def report_live(drafter: Drafter, live: Sequence[tuple[RolloutKey, int]]) -> None:
+def report_live(drafter: Drafter, live: Sequence[tuple[RolloutKey, int]], budget: int | None = None) -> None:
     """Tell the drafter the live batch of this iteration, [(key, output length), ...] in batch
-    order, before any of its proposals (the optional ``begin_iteration`` hook, methods/base.py)."""
+    order, and the policy's cap, before any of its proposals (the optional ``begin_iteration``
+    hook, methods/base.py)."""
     hook = getattr(drafter, "begin_iteration", None)
     if hook is not None:
-        hook(live)
+        hook(live, budget=budget)
+
+
+def tell_verified(drafter: Drafter, key: RolloutKey, draft_len: int) -> None:
+    """Tell the drafter that only ``draft_len`` nodes of its last proposal for ``key`` are verified
+    (the optional ``verified`` hook, methods/base.py)."""
+    hook = getattr(drafter, "verified", None)
+    if hook is not None:
+        hook(key, draft_len)
+
+
+def drafts_mode(drafter: Drafter) -> str:
+    """What the drafter declares it drafts (``drafts``, methods/base.py): never, first or decoding.
+    A drafter that declares nothing is taken to draft while decoding."""
+    from methods.base import DRAFTS
+    mode = getattr(drafter, "drafts", "decoding")
+    if mode not in DRAFTS:
+        raise ValueError(f"{type(drafter).__name__}.drafts is {mode!r}; declare one of {DRAFTS}")
+    return mode
 
 
 def drafter_mode(drafter: Drafter) -> str:
-    """How a method drafts, which decides the engine configuration it needs:
+    """The engine configuration a method needs, named as ``engine.plain_engine_for`` names them:
     'baseline' (never drafts), 'prefix' (one draft at output length 0 only: SPEC-RL's prefix reuse)
     or 'tree' (drafts while decoding, so the engine needs a speculative config)."""
-    from methods.base import NullDrafter
-    from methods.prefix_reuse import PrefixReuseDrafter
-    if isinstance(drafter, PrefixReuseDrafter):
-        return "prefix"
-    if type(drafter).propose is NullDrafter.propose:
-        return "baseline"
-    return "tree"
+    return {"never": "baseline", "first": "prefix", "decoding": "tree"}[drafts_mode(drafter)]
 
 
 SCORING_LOGPROBS = ("top1", "draft", "full")

@@ -4,16 +4,11 @@
     python -m bench.simulate TRACE_DIR --method tree_cache --method tree_cache:match=best   # a knob variant
 
 A recorded token is a sample of the target policy, so the draft tokens that match a rollout's
-recorded continuation are exactly what exact verification would accept (DESIGN.md section 1,
-idea 3). Each step's rollouts form one batch, driven like ``TorchRefEngine.rollout``: ``start``
-for every row, then per iteration ``propose`` for every live row (budget ``max_new_tokens -
-len(output) - 1``, ``Draft.truncated``), the accepted path (``bench.verify.descend`` with the
-recorded tokens as the samples: the deepest draft path whose tokens equal the recorded
-continuation, chains and trees) plus one more recorded token (the bonus), cut at the end of the
-recorded rollout, then ``observe`` for every row in order, then ``finish`` for rows whose
-recorded tokens are exhausted. Each iteration opens with ``bench.drafting.report_live`` (the
-live rows and their output lengths), as in the engine. The counters are the engine's, so
-``bench.stats`` applies as is.
+recorded continuation are exactly what exact verification would accept. Each step's rollouts form
+one batch, driven by the engine's own scheduler (``bench.spec.scheduler``) over the recorded-tokens
+backend (``bench.spec.recorded``): the same calls in the same order, the same caps and forward
+passes, the same counters and iteration log as a torch_ref replay of the same steps
+(``tests/test_simulate.py`` checks the equality), so ``bench.stats`` applies as is.
 
 Two oracles, not to be confused:
 
@@ -55,7 +50,7 @@ from typing import Any, Mapping, NamedTuple
 
 import pandas as pd
 
-from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.base import NullDrafter, Rollout, RolloutKey
 from methods.baseline import Baseline
 from methods.history_spec import HistorySpecDrafter
 from methods.hybrid import HybridDrafter
@@ -64,11 +59,15 @@ from methods.prefix_reuse import PrefixReuseDrafter
 from methods.suffix_global import SuffixGlobalDrafter
 from methods.tree_cache import TreeCacheDrafter
 
-from .drafting import DraftCounters, next_draft, report_live, settle
+from .engines.base import Request
 from .errors import UserError
+from .sampling import SamplingConfig
+from .spec.recorded import Recorded, RecordedBackend
+from .spec.scheduler import Scheduler
+from .spec_policy import SpecPolicy
 from .stats import rollout_metrics, safe_div
 from .trace import iter_jsonl
-from .verify import descend, node_depths
+from .verify import VerifyConfig
 
 METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
 LOG_RE = re.compile(r"^step_?(\d+)\.(jsonl|parquet)$")
@@ -243,18 +242,7 @@ def cache_bound(drafter) -> CacheBound | None:
 
 # ---------------------------------------------------------------- the replay loop
 
-class _Live:
-    __slots__ = ("key", "rec", "logprobs", "reward", "finish_reason", "pos", "out", "counters")
-
-    def __init__(self, key, rec, logprobs, reward, finish_reason):
-        self.key, self.rec, self.logprobs, self.reward = key, rec, logprobs, reward
-        self.finish_reason = finish_reason
-        self.pos = 0
-        self.out: list[int] = []  # rec[:pos], grown in place as the engine grows a row's output
-        self.counters = DraftCounters()
-
-
-def _step_rows(df: pd.DataFrame, max_new_tokens: int) -> list[_Live]:
+def _step_rows(df: pd.DataFrame, max_new_tokens: int) -> list[Recorded]:
     has_lp, has_rew, has_fr = "logprobs" in df, "reward" in df, "finish_reason" in df
     rows = []
     for i, (pid, idx, toks) in enumerate(zip(df["prompt_id"], df["sample_idx"], df["token_ids"])):
@@ -263,58 +251,29 @@ def _step_rows(df: pd.DataFrame, max_new_tokens: int) -> list[_Live]:
         if len(lp) != len(rec):
             lp = [0.0] * len(rec)  # only the ratio rule reads logprobs, and it is refused
         fr = str(df["finish_reason"].iat[i]) if has_fr else ("length" if len(rec) >= max_new_tokens else "stop")
-        rows.append(_Live(RolloutKey(str(pid), int(idx)), rec, lp,
-                          float(df["reward"].iat[i]) if has_rew else float("nan"), fr))
+        rows.append(Recorded(RolloutKey(str(pid), int(idx)), rec, lp,
+                             float(df["reward"].iat[i]) if has_rew else float("nan"), fr))
     return rows
 
 
-def _accept(rec: list[int], t: int, draft: Draft) -> tuple[list[int], int]:
-    """Emitted tokens and accepted count of one iteration at output length t (recorded = sampled)."""
-    if not draft.token_ids:
-        return rec[t:t + 1], 0
-    n = len(rec)
-    sampled = [rec[t + d] if t + d < n else -1 for d in node_depths(draft)]  # -1: past the end, no match
-    _, path = descend(sampled, draft)
-    k = len(path) - 1
-    emitted = rec[t:t + k + 1]  # accepted + bonus, cut at the end of the recorded rollout
-    return emitted, min(k, len(emitted))
-
-
-def _run_step(drafter, step: int, rows: list[_Live], prompts: Mapping[str, list[int]],
-              max_new_tokens: int) -> list[_Live]:
-    """One step through the drafter in the engine's call order; returns the rows in finish order."""
+def run_step(drafter, step: int, rows: list[Recorded], prompts: Mapping[str, list[int]], max_new_tokens: int,
+             policy: SpecPolicy | None = None, price=None, iteration_log: list | None = None) -> list[Rollout]:
+    """One step's recorded rollouts through the drafter by the engine's scheduler
+    (``bench.spec.scheduler``) over the recorded-tokens backend; the rollouts in row order.
+    ``iteration_log``, if given, gets the scheduler's one dict per pass."""
     if isinstance(drafter, RecordedOracle):
-        drafter.set_futures({r.key: r.rec for r in rows})
+        drafter.set_futures({r.key: r.tokens for r in rows})
     drafter.begin_step(step)
-    for r in rows:
-        drafter.start(r.key, list(prompts.get(r.key.prompt_id, ())))
-    finished: list[_Live] = []
-    live = rows
-    while live:
-        report_live(drafter, [(r.key, r.pos) for r in live])
-        drafts = [next_draft(drafter, r.key, r.out, max_new_tokens) for r in live]
-        for r, d in zip(live, drafts):
-            if r.pos < len(r.rec):
-                emitted, accepted = _accept(r.rec, r.pos, d)
-            else:  # an empty recorded rollout: nothing to emit
-                emitted, accepted = [], 0
-            # the engine's cut and counters (bench.drafting.settle); the room is the recorded length
-            emitted = emitted[:settle(r.counters, len(d), emitted, accepted, (), r.pos, len(r.rec)).n]
-            r.pos += len(emitted)
-            r.out += emitted
-            drafter.observe(r.key, emitted)
-        keep = []
-        for r in live:
-            if r.pos < len(r.rec):
-                keep.append(r)
-                continue
-            drafter.finish(r.key, Rollout(
-                key=r.key, step=step, prompt_token_ids=list(prompts.get(r.key.prompt_id, ())),
-                token_ids=list(r.rec), logprobs=list(r.logprobs), finish_reason=r.finish_reason,
-                **r.counters.as_dict()))
-            finished.append(r)
-        live = keep
-    return finished
+    scheduler = Scheduler(RecordedBackend({r.key: r for r in rows}, price), policy or SpecPolicy("fixed"))
+    if iteration_log is not None:
+        scheduler.iteration_log = iteration_log
+    requests = [Request(r.key, list(prompts.get(r.key.prompt_id, ())), step) for r in rows]
+    calls = scheduler.run(requests, SamplingConfig(max_new_tokens=max_new_tokens), drafter, VerifyConfig())
+    while True:
+        try:
+            next(calls)
+        except StopIteration as done:
+            return done.value
 
 
 # ---------------------------------------------------------------- the cache oracle
@@ -341,7 +300,7 @@ def oracle_passes(rollouts_by_step: Mapping[int, pd.DataFrame], max_new_tokens: 
     passes: dict[tuple[int, str, int], int] = {}
     seq = 0
     for step in sorted(rollouts_by_step):
-        rows = _step_rows(rollouts_by_step[step], max_new_tokens)
+        rows = [_OracleRow(r.key, r.tokens) for r in _step_rows(rollouts_by_step[step], max_new_tokens)]
         ids, cache = {}, {}
         for r in rows:
             pid = r.key.prompt_id
@@ -362,14 +321,21 @@ def oracle_passes(rollouts_by_step: Mapping[int, pd.DataFrame], max_new_tokens: 
                 if in_flight and n > 0:
                     cache[r.key].extend(ids[r.key], r.rec[r.pos:r.pos + n])
                 r.pos += n
-                r.counters.num_forward_passes += 1
+                r.passes += 1
             for r in live:
                 if r.pos >= len(r.rec):
-                    passes[(step, r.key.prompt_id, r.key.sample_idx)] = r.counters.num_forward_passes
+                    passes[(step, r.key.prompt_id, r.key.sample_idx)] = r.passes
                     if not in_flight and r.rec:
                         cache[r.key].extend(ids[r.key], r.rec)
             live = [r for r in live if r.pos < len(r.rec)]
     return passes
+
+
+class _OracleRow:
+    __slots__ = ("key", "rec", "pos", "passes")
+
+    def __init__(self, key: RolloutKey, rec: list[int]):
+        self.key, self.rec, self.pos, self.passes = key, rec, 0, 0
 
 
 # ---------------------------------------------------------------- API
@@ -409,14 +375,12 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
         t0 = time.perf_counter()
         for step in tqdm(sorted(rollouts_by_step), desc=f"simulate {name}", disable=not progress):
             rows = _step_rows(rollouts_by_step[step], max_new_tokens)
-            order = {r.key: i for i, r in enumerate(rows)}
-            done = sorted(_run_step(drafter, step, rows, prompts, max_new_tokens), key=lambda r: order[r.key])
-            out += [(name, step, r.key.prompt_id, r.key.sample_idx, len(r.rec), r.counters.num_drafts,
-                     r.counters.num_draft_tokens, r.counters.num_accepted_tokens,
-                     r.counters.num_accepted_tokens_per_pos, r.counters.num_forward_passes,
-                     passes.get((step, r.key.prompt_id, r.key.sample_idx), 0), label, r.finish_reason,
-                     r.reward)
-                    for r in done]
+            done = run_step(drafter, step, rows, prompts, max_new_tokens)
+            out += [(name, step, r.key.prompt_id, r.key.sample_idx, len(r.tokens), o.num_drafts,
+                     o.num_draft_tokens, o.num_accepted_tokens, o.num_accepted_tokens_per_pos,
+                     o.num_forward_passes, passes.get((step, r.key.prompt_id, r.key.sample_idx), 0), label,
+                     r.finish_reason, r.reward)
+                    for r, o in zip(rows, done)]
         timings[name] = time.perf_counter() - t0
         del drafter
         frames.append(pd.DataFrame(out, columns=list(ROW_COLUMNS)))

@@ -100,10 +100,11 @@ class TableLookup:
         if None in out:
             missing = [q for q, s in zip(queries, out) if s is None]
             if len(memo) > self.LIMIT:
-                memo.clear()
-            for q, s in zip(missing, self.table.query_seconds(rows, missing, math.exp(step * CONTEXT_STEP))):
+                memo.clear()  # the hits read above are already in ``out``
+            found = dict(zip(missing, self.table.query_seconds(rows, missing, math.exp(step * CONTEXT_STEP))))
+            for q, s in found.items():
                 memo[(rows, q, step)] = s
-            out = [memo[(rows, q, step)] for q in queries]
+            out = [found[q] if s is None else s for q, s in zip(queries, out)]
         return out
 
     def one(self, rows: int, query: int, context: float) -> float:

@@ -100,14 +100,23 @@ class Rollout:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """What every method implements; the engine calls these in this order per rollout:
-    ``start`` once, then ``propose``/``observe`` each iteration, then ``finish``.
+    """What every method implements; the scheduler (``bench.spec.scheduler``) calls these in this
+    order per rollout: ``start`` once, then ``propose``/``observe`` each iteration, then ``finish``
+    as soon as the rollout ends (its siblings may still be running).
 
-    Optional hook (not part of the protocol; ``NullDrafter`` has a no-op):
-    ``begin_iteration(live)`` is called once per engine iteration, before that iteration's
-    ``propose`` calls, with ``live`` = [(key, output length), ...] of every running row in
-    batch order (``bench.drafting.report_live``). Batch-aware drafters (Seer's tail-first
-    budget) read it; the others ignore it.
+    Optional, not part of the protocol (``NullDrafter`` has them):
+
+    - ``drafts``: what the method drafts, which decides the engine configuration it needs:
+      ``"never"`` (the baseline), ``"first"`` (one draft at output length 0 only: SPEC-RL's prefix
+      reuse, verified by a scoring pass) or ``"decoding"`` (drafts while decoding: the engine needs
+      a speculative configuration). Engines read this declaration, never the drafter's class.
+    - ``begin_iteration(live, budget=None)``: once per iteration, before its ``propose`` calls, with
+      ``live`` = [(key, output length), ...] of every running row in batch order and ``budget`` the
+      speculation policy's cap on every row's verified draft this iteration (None: no cap).
+      Batch-aware drafters (Seer's tail-first pool) read it.
+    - ``verified(key, draft_len)``: the policy cut the last proposal of ``key`` to its first
+      ``draft_len`` nodes before verifying it; ``observe`` then reports what those nodes produced.
+      Adaptive drafters (RhymeRL's AIMD length) judge what was verified, not what they proposed.
     """
 
     def begin_step(self, step: int) -> None: ...
@@ -121,10 +130,22 @@ class Drafter(Protocol):
     def finish(self, key: RolloutKey, rollout: Rollout) -> None: ...
 
 
+DRAFTS = ("never", "first", "decoding")
+
+
 class NullDrafter:
-    """A drafter that does nothing; subclasses override what they need."""
+    """A drafter that does nothing; subclasses override what they need. A subclass that overrides
+    ``propose`` drafts while decoding unless it declares otherwise (``drafts``)."""
 
     name = "null"
+    drafts = "never"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "drafts" not in cls.__dict__ and cls.propose is not NullDrafter.propose:
+            cls.drafts = "decoding"
+        if cls.drafts not in DRAFTS:
+            raise TypeError(f"{cls.__name__}.drafts must be one of {DRAFTS}, got {cls.drafts!r}")
 
     def begin_step(self, step: int) -> None:
         pass
@@ -132,11 +153,14 @@ class NullDrafter:
     def start(self, key: RolloutKey, prompt: Sequence[int]) -> None:
         pass
 
-    def begin_iteration(self, live: Sequence[tuple[RolloutKey, int]]) -> None:
+    def begin_iteration(self, live: Sequence[tuple[RolloutKey, int]], budget: int | None = None) -> None:
         pass
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
         return Draft()
+
+    def verified(self, key: RolloutKey, draft_len: int) -> None:
+        pass
 
     def observe(self, key: RolloutKey, new_tokens: Sequence[int]) -> None:
         pass

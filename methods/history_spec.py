@@ -108,6 +108,12 @@ class HistorySpecDrafter(NullDrafter):
         self._last_draft[key] = spec.token_ids
         return spec.draft()
 
+    def verified(self, key: RolloutKey, draft_len: int) -> None:
+        """The policy verified only the first ``draft_len`` tokens of the last draft: AIMD judges those."""
+        draft = self._last_draft.pop(key, None)
+        if draft is not None and draft_len > 0:  # a draft cut to nothing was not verified: no verdict
+            self._last_draft[key] = draft[:draft_len]
+
     def observe(self, key: RolloutKey, new_tokens: Sequence[int]) -> None:
         draft = self._last_draft.pop(key, None)
         if draft is None:

@@ -28,6 +28,8 @@ class PrefixReuseDrafter(NullDrafter):
     ``max_spec_tokens=None`` drafts the whole previous response (the engine's budget still caps it).
     """
 
+    drafts = "first"  # one draft, at output length 0: engines verify it by a scoring pass
+
     name = "prefix_reuse"
 
     def __init__(self, max_spec_tokens: int | None = None):

@@ -57,15 +57,18 @@ class SeerDrafter(TreeCacheDrafter):
         super().begin_step(step)
         self._alloc.clear()
 
-    def begin_iteration(self, live: Sequence[tuple[RolloutKey, int]]) -> None:
-        """Rank the live rows longest output first and hand out the pool in that order."""
+    def begin_iteration(self, live: Sequence[tuple[RolloutKey, int]], budget: int | None = None) -> None:
+        """Rank the live rows longest output first and hand out the pool in that order; no row
+        gets more than ``budget`` (the speculation policy's cap), so the pool is never spent on
+        tokens the policy would cut before verifying."""
         self._alloc.clear()
         self._iterations += 1
         left = self.max_batch_draft_tokens
+        most = self.max_spec_tokens if budget is None else min(self.max_spec_tokens, budget)
         ranked = sorted(range(len(live)), key=lambda i: -live[i][1])  # stable: ties in batch order
         for i in ranked:
             key, n = live[i]
-            cap = self.max_spec_tokens if left is None else min(self.max_spec_tokens, left)
+            cap = most if left is None else min(most, left)
             if cap <= 0:
                 self._alloc[key] = (n, 0, None, -1)
                 self._starved += 1

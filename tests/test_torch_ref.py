@@ -228,7 +228,7 @@ def test_drafts_never_overshoot_max_new_tokens(engine64):
 
 
 def test_forward_groups_split_only_when_padding_is_wasted():
-    from bench.engines.torch_ref import _forward_groups
+    from bench.spec.groups import forward_groups as _forward_groups
     # three one-token rows and one 25-token row: two passes cost 28 tokens instead of 100
     assert _forward_groups([1, 1, 1, 25], min_tokens=1) == [[0, 1, 2], [3]]
     # similar sizes: padding wastes little, one pass
@@ -246,12 +246,12 @@ def test_forward_groups_split_only_when_padding_is_wasted():
 
 
 def test_split_forward_passes_give_the_same_tokens(engine64, monkeypatch):
-    import bench.engines.torch_ref as tr
+    import bench.spec.scheduler as tr
     reqs, sampling = requests(8), SAMPLINGS["t1"]
     base = engine64.rollout(reqs, sampling, Baseline(), VerifyConfig())
     futures = {r.key: r.token_ids for r in base}
     # interleaved rows in two passes exercise the row-subset path of the KV cache
-    monkeypatch.setattr(tr, "_forward_groups", lambda sizes, **kw: [list(range(0, len(sizes), 2)),
+    monkeypatch.setattr(tr, "forward_groups", lambda sizes, **kw: [list(range(0, len(sizes), 2)),
                                                                    list(range(1, len(sizes), 2))]
                         if len(sizes) > 1 else [[0]])
     for drafter in (Baseline(), OracleDrafter(futures, 5), TreeOracle(futures, 3)):

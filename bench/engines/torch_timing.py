@@ -21,7 +21,9 @@ from methods.base import Draft, RolloutKey
 
 from .base import Request
 from .kv_slots import SlotKVCache
-from .torch_ref import TorchRefEngine, _Block, _Row
+from ..spec.scheduler import LiveRow
+from .torch_block import Block
+from .torch_ref import TorchRefEngine
 
 AUTO_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 AUTO_QUERY = (1, 2, 3, 5, 9, 17, 25)
@@ -53,7 +55,7 @@ def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], cont
     tokens = torch.randint(3, vocab, (rows, context + width), generator=gen).tolist()
     cache = SlotKVCache(capacity=context + width + 1)
     cache.add_rows(rows, context + width + 1)
-    live = [_Row(Request(RolloutKey("profile", i), toks[:context]), 0, toks[:context]) for i, toks in enumerate(tokens)]
+    live = [LiveRow(Request(RolloutKey("profile", i), toks[:context]), 0, toks[:context], width) for i, toks in enumerate(tokens)]
     out: dict[int, list[float]] = {}
     with torch.inference_mode():
         _forward(engine, live, [Draft() for _ in live], cache)  # prefill the context (untimed)
@@ -72,10 +74,10 @@ def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], cont
     return out
 
 
-def _forward(engine: TorchRefEngine, rows: list[_Row], drafts: list[Draft], cache: SlotKVCache):
+def _forward(engine: TorchRefEngine, rows: list[LiveRow], drafts: list[Draft], cache: SlotKVCache):
     """What an iteration's forward costs in the engine: the block, the model's base and the output
     layer on every real node (a draft of up to 32 nodes is read whole by the verifier's first window)."""
-    block = _Block.build(rows, drafts, cache, engine.device, engine.dtype)
+    block = Block.build(rows, drafts, cache, engine.device, engine.dtype)
     cache.set_block(block.write_index, block.view_len)
     logits_at, _ = engine._node_logits(block, cache)
     lens = torch.tensor([len(d) + 1 for d in drafts])

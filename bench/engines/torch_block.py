@@ -1,0 +1,183 @@
+"""torch_ref as a backend of the scheduler: the ragged block of one forward pass (chains and trees
+through an additive 4D mask with explicit positions), the pass and the verification, and keeping
+the KV of each row's accepted path.
+
+    pytest tests/test_torch_ref.py
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from methods.base import Draft
+
+from ..sampling import SamplingConfig
+from ..spec.scheduler import LiveRow, PassResult
+from ..verify import Verdict, VerifyConfig, verify_nodes
+from .base import Request
+from .kv_slots import SlotKVCache
+
+
+class TorchBackend:
+    """One rollout call's KV cache and passes over a loaded ``TorchRefEngine``'s model."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.cache = SlotKVCache(capacity=1)
+
+    def stops(self, sampling: SamplingConfig) -> set[int]:
+        return set(self.engine.info.eos_token_ids) | set(sampling.stop_token_ids)
+
+    def fits(self, request: Request, sampling: SamplingConfig) -> bool:
+        return self.engine._fits(request, sampling)
+
+    def start_call(self, sampling: SamplingConfig) -> None:
+        self.cache = SlotKVCache(capacity=1)
+
+    def admit(self, rows: list[LiveRow], sampling: SamplingConfig) -> None:
+        need = max(len(r.request.prompt_token_ids) for r in rows) + sampling.max_new_tokens + 1
+        with torch.inference_mode():
+            self.cache.add_rows(len(rows), max(need, self.cache.capacity))
+
+    def forward(self, rows: list[LiveRow], group: list[int], drafts: list[Draft], sampling: SamplingConfig,
+                verify: VerifyConfig) -> PassResult:
+        eng, cache = self.engine, self.cache
+        with torch.inference_mode():
+            t_f = time.perf_counter()
+            g_rows = [rows[i] for i in group]
+            block = Block.build(g_rows, drafts, cache, eng.device, eng.dtype)
+            subset = None if len(group) == len(rows) else torch.tensor(group, device=eng.device)
+            cache.set_block(block.write_index, block.view_len, subset)
+            logits_at, head_s = eng._node_logits(block, cache)
+            if eng.device.type == "cuda":
+                torch.cuda.synchronize()  # forward seconds are the model's, not the verifier's
+            t_v = time.perf_counter()
+            keys = torch.tensor([r.key64 for r in g_rows], dtype=torch.int64)
+            verdicts = verify_nodes(logits_at, eng._vocab, drafts, keys, [len(r.output) for r in g_rows],
+                                    sampling, verify, device=eng.device)
+            return PassResult(verdicts, t_v - t_f + head_s[0], time.perf_counter() - t_v - head_s[0])
+
+    def commit(self, rows: list[LiveRow], verdicts: list[Verdict]) -> None:
+        """Move each row's accepted path (tree nodes off the first branch) into consecutive slots."""
+        moves = []
+        for b, (row, v) in enumerate(zip(rows, verdicts)):
+            root_slot = row.cached + len(row.pending) - 1
+            if any(p != i for i, p in enumerate(v.path)):
+                moves.append((b, [root_slot + p for p in v.path], [root_slot + i for i in range(len(v.path))]))
+        if not moves:
+            return
+        cache, device = self.cache, self.engine.device
+        width = max(len(s) for _, s, _ in moves)
+        src = torch.tensor([[cache.trash_slot] * width] * len(rows), dtype=torch.int64)
+        dst = src.clone()
+        for b, s, t in moves:
+            src[b, :len(s)] = torch.tensor(s)
+            dst[b, :len(t)] = torch.tensor(t)
+        with torch.inference_mode():
+            cache.move_slots(src.to(device), dst.to(device))
+
+    def release(self, keep: list[int], rows: list[LiveRow]) -> None:
+        with torch.inference_mode():
+            self.cache.keep_rows(keep, used=max((r.cached for r in rows), default=0))
+
+
+@dataclass
+class Block:
+    """The ragged input of one forward pass, left-padded so every row's nodes end the block.
+
+    Row b feeds its pending tokens then its draft nodes; its local node j (0 = last pending
+    token) sits at block index q - (1 + k_b) + j.
+    """
+
+    input_ids: torch.Tensor  # [B, q]
+    position_ids: torch.Tensor  # [B, q]
+    write_index: torch.Tensor  # [B, q] cache slot of each block position (padding -> trash slot)
+    mask: torch.Tensor  # [B, 1, q, view_len] additive
+    node_index: torch.Tensor  # [B, K] block index of local node j (K = keep)
+    keep: int  # logits kept: the last K block positions
+    view_len: int
+    trash: int
+    root_index: torch.Tensor | None = None  # [B] block index of local node 0 (node j at root + j)
+
+    @classmethod
+    def build(cls, rows: list[LiveRow], drafts: list[Draft], cache: SlotKVCache, device, dtype) -> "Block":
+        B = len(rows)
+        sizes = [len(r.pending) + len(d) for r, d in zip(rows, drafts)]
+        q, K = max(sizes), 1 + max(len(d) for d in drafts)
+        trash = cache.trash_slot
+        if q == 1:  # plain decoding, the common case: one token per row, no padding, no tree
+            slot = torch.tensor([[r.cached] for r in rows])
+            view_len = int(slot.max()) + 1
+            allowed = torch.arange(view_len)[None, None, :] <= slot[:, :, None]
+            mask = _additive(allowed, dtype)
+            ids = torch.tensor([r.pending for r in rows])
+            return cls(*_on(device, ids, slot, slot, mask, torch.zeros(B, 1, dtype=torch.int64)), 1, view_len, trash,
+                       torch.zeros(B, dtype=torch.int64))
+        chains = all(d.parents is None for d in drafts)
+        ids, pos, slot, parent, node_index = [], [], [], [], []  # built as lists: one tensor each
+        for row, d, s in zip(rows, drafts, sizes):
+            n_p, k, off = len(row.pending), len(d), q - s
+            ids.append([0] * off + row.pending + d.token_ids)
+            slot.append([trash] * off + list(range(row.cached, row.cached + s)))
+            node_index.append(list(range(K - k - 1, K)) + [0] * (K - k - 1))  # into the kept last K positions
+            if chains:
+                pos.append([0] * off + list(range(row.cached, row.cached + s)))
+            else:
+                par = [-1] + list(range(off, off + n_p - 1)) + [off + n_p + p for p in d.parent_list()]
+                parent.append([-1] * off + par)
+                depth = list(range(n_p)) + [n_p - 1 + x for x in _depths(d)]
+                pos.append([0] * off + [row.cached + x for x in depth])
+        ids, pos, slot = torch.tensor(ids), torch.tensor(pos), torch.tensor(slot)
+        node_index = torch.tensor(node_index)
+        view_len = int(max(r.cached + s for r, s in zip(rows, sizes)))
+        real = slot != trash  # [B, q]
+        cols = torch.arange(view_len)
+        if chains:  # slots of a row are contiguous, so a query sees every slot up to its own
+            allowed = (cols[None, None, :] <= slot[:, :, None]) & real[:, :, None]
+        else:
+            cached = torch.tensor([r.cached for r in rows])
+            allowed = torch.cat([(cols[None, None, :] < cached[:, None, None]) & real[:, :, None],
+                                 torch.zeros(B, q, 1, dtype=torch.bool)], 2)  # [B, q, view+1]
+            # the block's own slots lie past every cached one; padding columns land in the spare last column
+            slot_in_view = torch.where(real, slot, torch.full_like(slot, view_len))
+            allowed.scatter_(2, slot_in_view[:, None, :].expand(B, q, q), _ancestors(torch.tensor(parent))
+                             & real[:, None, :])
+            allowed = allowed[..., :view_len]
+        allowed[:, :, 0] |= ~real  # padding queries look at slot 0 only (never an empty softmax)
+        mask = _additive(allowed, dtype)
+        root = torch.tensor([q - 1 - len(d) for d in drafts])
+        return cls(*_on(device, ids, pos, slot, mask, node_index), K, view_len, trash, root)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, q, L] bool -> [B, 1, q, L] additive attention mask (0 where allowed, dtype's min elsewhere)."""
+    return torch.where(allowed[:, None], torch.zeros((), dtype=dtype), torch.full((), torch.finfo(dtype).min, dtype=dtype))
+
+
+def _on(device: torch.device, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Tensors moved to the model's device (a no-op call still costs microseconds on CPU)."""
+    return tensors if device.type == "cpu" else tuple(t.to(device) for t in tensors)
+
+
+def _depths(d: Draft) -> list[int]:
+    out: list[int] = []
+    for p in d.parent_list():
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def _ancestors(parent: torch.Tensor) -> torch.Tensor:
+    """[B, q] block-local parents -> [B, q, q] bool: query i may attend block position j."""
+    B, q = parent.shape
+    eye = torch.eye(q, dtype=torch.bool).expand(B, q, q).clone()
+    out = eye.clone()
+    cur = parent.clone()
+    rows = torch.arange(B)[:, None]
+    cols = torch.arange(q)[None, :].expand(B, q)
+    while bool((cur >= 0).any()):
+        valid = cur >= 0
+        out[rows.expand(B, q)[valid], cols[valid], cur[valid]] = True
+        cur = torch.where(valid, parent.gather(1, cur.clamp(min=0)), cur)
+    return out

@@ -1,0 +1,89 @@
+"""The simulator's backend: "verification" reads the recorded rollout, so the scheduler drives a
+drafter over a real run's log with no model and the same schedule as the engine.
+
+    python -m bench.simulate TRACE_DIR --method tree_cache          # uses it
+    pytest tests/test_simulate.py -k engine                          # simulator == torch_ref
+
+Under coupled sampling the exact rule accepts a draft token exactly when it equals the coupled
+sample at its position, and a recorded baseline rollout *is* those samples: the accepted path is
+the deepest draft path whose tokens equal the recorded continuation, then one more recorded
+token (the bonus), cut at the end of the recorded rollout. For a probability-free draft this is
+exact, whatever drafted it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from methods.base import Draft, RolloutKey
+
+from ..engines.base import Request
+from ..sampling import SamplingConfig
+from ..verify import Verdict, VerifyConfig, descend, node_depths
+from .scheduler import LiveRow, PassResult
+
+
+@dataclass
+class Recorded:
+    """One recorded rollout: its tokens (cut at max_new_tokens), their logprobs, reward, finish reason."""
+
+    key: RolloutKey
+    tokens: list[int]
+    logprobs: list[float]
+    reward: float
+    finish_reason: str
+
+
+def recorded_verdict(rec: Recorded, out_len: int, draft: Draft) -> Verdict:
+    """What exact verification emits at output length ``out_len`` (the recorded tokens are the samples).
+
+    Example: recorded [5, 6, 9, 2], out_len 0, draft [5, 6, 7] -> emitted [5, 6, 9], path [0, 1, 2].
+    """
+    toks, t = rec.tokens, out_len
+    if not draft.token_ids:
+        path = [0]
+    else:
+        n = len(toks)
+        _, path = descend([toks[t + d] if t + d < n else -1 for d in node_depths(draft)], draft)
+    emitted = toks[t:t + len(path)]  # accepted + bonus, cut at the end of the recorded rollout
+    return Verdict(emitted, path, rec.logprobs[t:t + len(emitted)], [])
+
+
+# seconds of a forward pass of (rows, query tokens per row as padded, context mean); None: unpriced
+Pricer = Callable[[int, int, float], float]
+
+
+class RecordedBackend:
+    """Verifies against ``recorded[key]``; a pass costs what ``price`` says (0 without one)."""
+
+    def __init__(self, recorded: Mapping[RolloutKey, Recorded], price: Pricer | None = None):
+        self.recorded, self.price = recorded, price
+
+    def stops(self, sampling: SamplingConfig) -> set[int]:
+        return set()  # a recorded rollout ends where it ended: its length is the row's limit
+
+    def fits(self, request: Request, sampling: SamplingConfig) -> bool:
+        return True
+
+    def start_call(self, sampling: SamplingConfig) -> None:
+        pass
+
+    def admit(self, rows: list[LiveRow], sampling: SamplingConfig) -> None:
+        for row in rows:
+            rec = self.recorded[row.request.key]
+            row.state, row.limit, row.final_reason = rec, len(rec.tokens), rec.finish_reason
+
+    def forward(self, rows: list[LiveRow], group: list[int], drafts: list[Draft], sampling: SamplingConfig,
+                verify: VerifyConfig) -> PassResult:
+        verdicts = [recorded_verdict(rows[i].state, len(rows[i].output), d) for i, d in zip(group, drafts)]
+        seconds = 0.0
+        if self.price is not None:
+            width = max(len(rows[i].pending) + len(d) for i, d in zip(group, drafts))
+            seconds = self.price(len(group), width, sum(rows[i].context for i in group) / len(group))
+        return PassResult(verdicts, seconds, 0.0)
+
+    def commit(self, rows: list[LiveRow], verdicts: list[Verdict]) -> None:
+        pass
+
+    def release(self, keep: list[int], rows: list[LiveRow]) -> None:
+        pass
