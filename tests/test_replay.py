@@ -189,13 +189,14 @@ def test_interleaved_timing_changes_no_token_or_count_and_resumes(tmp_path, monk
     replay(trace, TorchRefEngine(dtype="float64"), method_specs(cfg), sampling, RunWriter(tmp_path / "one", config),
            steps, progress=False, labels=labels)
     order = []
-    log_iteration = TorchRefEngine._log_iteration
+    from bench.spec.scheduler import Scheduler
+    log_iteration = Scheduler._log
 
     def spy(self, *args):
-        order.append(id(self))
+        order.append(id(self.backend.engine))  # which method's engine ran this iteration
         return log_iteration(self, *args)
 
-    monkeypatch.setattr(TorchRefEngine, "_log_iteration", spy)
+    monkeypatch.setattr(Scheduler, "_log", spy)
     replay(trace, TorchRefEngine(dtype="float64"), method_specs(cfg), sampling,
            RunWriter(tmp_path / "together", config), steps, progress=False, labels=labels, timing_repeats=2,
            interleave=True, interleave_turn=1)

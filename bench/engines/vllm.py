@@ -304,6 +304,7 @@ class VLLMEngine:
         for row in rows:
             drafter.start(row.request.key, row.request.prompt_token_ids)
         budget = sampling.max_new_tokens - 1
+        report_live(drafter, [(row.request.key, 0) for row in rows])  # as the scheduler's first iteration
         first = [vp.chain_of(drafter.propose(row.request.key, [], budget)).truncated(budget) if budget > 0
                  else Draft() for row in rows]
         scored = [(row, d) for row, d in zip(rows, first) if len(d)]
@@ -322,7 +323,8 @@ class VLLMEngine:
         out = []
         for row in rows:
             rollout = row.to_rollout()
-            drafter.finish(row.request.key, rollout)
+            if not row.told_finished:  # rows that vLLM's own loop finished (no per-row hook there)
+                drafter.finish(row.request.key, rollout)
             out.append(rollout)
         return out + ahead  # run-ahead rollouts last, for the record (as torch_ref)
 
@@ -375,6 +377,7 @@ class VLLMEngine:
                 key = torch.tensor([row.key64], dtype=torch.int64)
                 v = verify_batch(raw, [d], key, [len(row.output)], sampling, verify)[0]
                 self._emit(row, len(d), v.emitted, v.num_accepted, v.logprobs, stops, sampling, drafter, now)
+            self._tell_finished(live, drafter)
             for row in self.last_iteration_log[first_row:]:  # verified here, so this loop knows its
                 row.update(draft_tokens=0, accepted_tokens=0)  # drafts: all on the iteration's last step
             if len(self.last_iteration_log) > first_row:
@@ -386,10 +389,7 @@ class VLLMEngine:
         for row in extra:
             if not row.finish_reason:
                 row.finish_reason = "abort"
-                ahead.append(row.to_rollout())
-            else:
-                ahead.append(row.to_rollout())
-                drafter.finish(row.request.key, ahead[-1])
+            ahead.append(row.to_rollout())  # finished ones told the drafter as they ended (``_emit``)
         return ahead
 
     def _fits(self, r: Request, sampling: SamplingConfig) -> bool:
@@ -449,6 +449,15 @@ class VLLMEngine:
             drafter.observe(row.request.key, emitted)
         row.finish_reason = kept.finish_reason
 
+    @staticmethod
+    def _tell_finished(rows, drafter: Drafter) -> None:
+        """``finish`` for the rows that ended in this iteration, after every row's ``observe``: the
+        scheduler's order (bench.spec.scheduler), so ``in_flight: false`` means the same here."""
+        for row in rows:
+            if row.finish_reason and not row.told_finished:
+                row.told_finished = True
+                drafter.finish(row.request.key, row.to_rollout())
+
     def _score_and_verify(self, llm, scored, sampling, verify, mode, stops, drafter, t0) -> None:
         """One scoring request per drafted row (logprobs as ``mode`` needs, see the module docstring),
         then the suite's rule (``bench.verify``) on what came back."""
@@ -487,6 +496,7 @@ class VLLMEngine:
                     draft_logprobs=[plp[P + i][x].logprob for i, x in enumerate(d.token_ids)],
                     bonus=(bonus, gen.logprobs[0][bonus].logprob))
             self._emit(row, k, emitted, accepted, lps, stops, sampling, drafter, now)
+        self._tell_finished([row for row, _ in scored], drafter)
 
     def _generate(self, llm, rows, sampling, drafter, greedy, stops, t0, run_ahead, custom) -> list[Rollout]:
         """Generate the rest of every unfinished row; with ``custom`` the proposer drafts from the
@@ -678,6 +688,7 @@ class _Row:
         self.first_t = self.last_t = self.first_gen_t = 0.0
         self.finish_reason = ""
         self.seen = self.finished_gen = False
+        self.told_finished = False  # drafter.finish already called for this row
         self.partial = None  # run-ahead: the last cumulative output seen (kept if the row is aborted)
 
     def to_rollout(self) -> Rollout:

@@ -1,0 +1,175 @@
+"""The one speculation loop: the same drafter calls, iteration log and counters on torch_ref and the
+simulator, and the policy's cap reaching the drafter (regressions of bugs the five loops had)."""
+from __future__ import annotations
+
+import pytest
+
+from recording_drafter import recording
+
+from bench.drafting import drafter_mode
+from bench.engines.base import Request
+from bench.sampling import SamplingConfig
+from bench.simulate import _step_rows, run_step
+from bench.spec.recorded import Recorded, RecordedBackend
+from bench.spec.scheduler import Scheduler
+from bench.spec_policy import SpecPolicy, TableLookup
+from bench.verify import VerifyConfig
+from methods.base import Draft, NullDrafter, RolloutKey
+from methods.baseline import Baseline
+from methods.history_spec import HistorySpecDrafter
+from methods.hybrid import HybridDrafter
+from methods.prefix_reuse import PrefixReuseDrafter
+from methods.seer import SeerDrafter
+from methods.tree_cache import TreeCacheDrafter
+
+SHAPE = ["iteration", "call", "live_rows", "rows", "run_ahead_rows", "query_tokens", "block_tokens",
+         "context_sum", "context_max", "draft_tokens", "draft_budget", "accepted_tokens"]
+COUNTERS = ["token_ids", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+            "num_forward_passes", "finish_reason"]
+
+
+def _policy(kind):
+    return SpecPolicy(kind, max_rows=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fixed", "batch_threshold"])
+def test_engine_and_simulator_drive_the_drafter_identically(tiny_trace, kind):
+    """Every call a drafter gets, every pass's shape and every counter: the same on torch_ref (float64,
+    the recorder's seed) and on the simulator over the recorded rollouts, for drafters that read
+    the batch (Seer), adapt their length (RhymeRL) and insert in flight (SRT)."""
+    from bench.engines.torch_ref import TorchRefEngine
+    from bench.trace import Trace
+    trace = Trace.load(tiny_trace)
+    sampling = trace.sampling.to_config()
+    engine = TorchRefEngine(dtype="float64", spec_policy=kind, spec_max_rows=3)
+    for cls, kw in ((TreeCacheDrafter, {}), (SeerDrafter, {"max_batch_draft_tokens": 8}), (HistorySpecDrafter, {})):
+        on_engine, on_sim = recording(cls)(**kw), recording(cls)(**kw)
+        for s in trace.steps:
+            df = trace.rollouts(s.step)
+            engine.load(trace.checkpoint(s.step))
+            on_engine.begin_step(s.step)
+            reqs = [Request(RolloutKey(p, int(i)), trace.prompts[p], s.step) for p, i in zip(df.prompt_id, df.sample_idx)]
+            eng_out = engine.rollout(reqs, sampling, on_engine, VerifyConfig())
+            eng_log = [{c: call[c] for c in SHAPE} for call in engine.last_iteration_log]
+            sim_log = []
+            sim_out = run_step(on_sim, s.step, _step_rows(df, sampling.max_new_tokens), trace.prompts,
+                               sampling.max_new_tokens, policy=_policy(kind), iteration_log=sim_log)
+            assert [r.token_ids for r in eng_out] == [list(t) for t in df.token_ids]  # the recording, replayed
+            for c in COUNTERS:
+                assert [getattr(r, c) for r in eng_out] == [getattr(r, c) for r in sim_out], (cls.__name__, c)
+            assert eng_log == [{c: call[c] for c in SHAPE} for call in sim_log], cls.__name__
+        assert on_engine.calls == on_sim.calls, cls.__name__
+        assert any(c[0] == "begin_iteration" for c in on_engine.calls)
+        if kind == "batch_threshold":  # above 3 live rows the drafter is not asked at all
+            assert all(len(c[1]) <= 3 for c in on_engine.calls if c[0] == "begin_iteration")
+    engine.close()
+
+
+class CapAt:
+    """A speculation policy that lets every row verify at most ``k`` draft tokens, decided after the
+    drafts are known (as throughput_optimal's ``choose`` does)."""
+
+    kind, lookup, first_drafts_decided = "cap", None, False
+
+    def __init__(self, k):
+        self.k = k
+
+    def start_call(self, who):
+        pass
+
+    def budget(self, rows, context):
+        return None
+
+    def choose(self, drafts, context, cap):
+        return self.k
+
+    def choose_first(self, drafts, rows, pending, context, cap):
+        return cap
+
+    def record(self, *a, **kw):
+        pass
+
+
+def _run(drafter, rows, policy, max_new=64):
+    scheduler = Scheduler(RecordedBackend({r.key: r for r in rows}), policy)
+    steps = scheduler.run([Request(r.key, [1, 2], 1) for r in rows], SamplingConfig(max_new_tokens=max_new),
+                          drafter, VerifyConfig())
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value, scheduler.iteration_log
+
+
+def test_a_capped_draft_is_judged_by_what_was_verified():
+    """RhymeRL's AIMD doubles its length after a fully accepted draft. Capped from 8 to 2 tokens
+    by the policy and both verified tokens accepted, the next length is 16, not 4 (before the fix
+    the drafter judged its untruncated 8 tokens, saw a mismatch and halved)."""
+    text = list(range(10, 60))
+    key = RolloutKey("p", 0)
+    d = recording(HistorySpecDrafter)(min_match=1, window=3)
+    d.begin_step(0)
+    d.start(key, [1, 2])
+    d.finish(key, _rollout(key, text))  # the last visit: the draft source
+    d.begin_step(1)
+    out, _ = _run(d, [Recorded(key, text, [0.0] * len(text), 0.0, "stop")], CapAt(2))
+    assert out[0].token_ids == text
+    proposals = [c for c in d.calls if c[0] == "propose" and c[4]]
+    verified = [c for c in d.calls if c[0] == "verified"]
+    assert verified and all(c[2] == 2 for c in verified)
+    # proposal lengths: 2, 4, 8, 16 (doubling after each verified-and-accepted cut), never halving
+    lengths = [len(c[4]) for c in proposals]
+    assert lengths[:4] == [2, 4, 8, 16], lengths
+
+
+def _rollout(key, tokens):
+    from methods.base import Rollout
+    return Rollout(key=key, step=0, prompt_token_ids=[1, 2], token_ids=list(tokens), logprobs=[0.0] * len(tokens),
+                   finish_reason="stop")
+
+
+def test_seer_never_hands_out_pool_tokens_past_the_policy_cap():
+    """Seer's pool of 8 tokens, policy cap 2 per row: each of four rows gets 2 (all verified)
+    instead of the first row taking the whole pool and the cap throwing 6 away."""
+    seer = SeerDrafter(max_batch_draft_tokens=8, min_prob=0.0)
+    keys = [RolloutKey("g", i) for i in range(5)]
+    seer.begin_step(0)
+    for k in keys:
+        seer.start(k, [1, 2])
+    seer.observe(keys[4], list(range(10, 30)))  # a sibling ahead: the group trie holds its tokens
+    live = [(k, 0) for k in keys[:4]]
+    for k in keys[:4]:
+        seer.observe(k, [10, 11, 12])
+    seer.begin_iteration([(k, 3) for k, _ in live], budget=2)
+    drafts = [seer.propose(k, [10, 11, 12], 40) for k, _ in live]
+    assert [len(d) for d in drafts] == [2, 2, 2, 2]
+
+
+def test_table_lookup_survives_its_memo_being_cleared_mid_call():
+    """A call mixing memo hits and misses once the memo passed its limit raised KeyError (seen at
+    the 161st policy call of a main-job-shaped sequence: KeyError (113, 1, 510))."""
+
+    class Table:
+        def query_seconds(self, rows, queries, context):
+            return [1e-3 * rows * q for q in queries]
+
+    lookup = TableLookup(Table())
+    lookup.LIMIT = 2
+    assert lookup(4, [1, 2, 3], 100.0) == pytest.approx([4e-3, 8e-3, 12e-3])  # 3 entries: past the limit
+    assert lookup(4, [1, 5], 100.0) == pytest.approx([4e-3, 20e-3])  # a hit and a miss: cleared in between
+    assert lookup.one(4, 2, 100.0) == pytest.approx(8e-3)
+
+
+def test_drafters_declare_what_they_draft():
+    assert drafter_mode(Baseline()) == drafter_mode(NullDrafter()) == "baseline"
+    assert drafter_mode(PrefixReuseDrafter()) == "prefix"
+    assert drafter_mode(TreeCacheDrafter()) == drafter_mode(HybridDrafter()) == drafter_mode(SeerDrafter()) == "tree"
+
+    class Custom(NullDrafter):  # overrides propose, declares nothing: drafts while decoding
+        def propose(self, key, output, budget):
+            return Draft([1])
+
+    assert drafter_mode(Custom()) == "tree"
+    with pytest.raises(TypeError, match="drafts must be one of"):
+        type("Bad", (NullDrafter,), {"drafts": "sometimes"})
