@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from methods.base import Drafter, NullDrafter, Rollout, RolloutKey
 
+from .spec.recorded import feed_finished, recorded_rows
 from .engines.base import Engine, Request
 from .results import RunWriter, rollout_row, step_row
 from .sampling import SamplingConfig
@@ -102,25 +103,9 @@ def resumed_drafter(method: MethodSpec, steps: list[int], done: set[tuple[int, s
 
 def feed_recorded(drafter: Drafter, trace: Trace, step: int) -> None:
     """Show ``drafter`` the recorded rollouts of a rollouts-only step (sparse checkpoints) as
-    finished rollouts, with the calls an engine makes, in a fixed recorded order: ``begin_step``,
-    ``start`` for every rollout in file order, then ``observe`` (the whole response at once) and
-    ``finish`` in finish order (shortest first, ties in file order: a one-token-per-pass engine's)."""
-    df = trace.rollouts(step)
-    rows = []
-    for i, (pid, idx, toks) in enumerate(zip(df["prompt_id"], df["sample_idx"], df["token_ids"])):
-        lps = df["logprobs"].iat[i]
-        toks = [int(t) for t in toks]
-        reason = str(df["finish_reason"].iat[i]) if "finish_reason" in df.columns else (
-            "length" if len(toks) >= trace.sampling.max_new_tokens else "stop")
-        rows.append((i, RolloutKey(str(pid), int(idx)), toks,
-                     [float(x) for x in lps] if lps is not None else [0.0] * len(toks), reason))
-    drafter.begin_step(step)
-    for _, key, _, _, _ in rows:
-        drafter.start(key, trace.prompts[key.prompt_id])
-    for _, key, toks, lps, reason in sorted(rows, key=lambda r: (len(r[2]), r[0])):
-        drafter.observe(key, toks)
-        drafter.finish(key, Rollout(key=key, step=step, prompt_token_ids=list(trace.prompts[key.prompt_id]),
-                                    token_ids=toks, logprobs=lps, finish_reason=reason))
+    finished rollouts (``bench.spec.recorded.feed_finished``: the simulator feeds them the same way)."""
+    feed_finished(drafter, step, recorded_rows(trace.rollouts(step), trace.sampling.max_new_tokens, cut=False),
+                  trace.prompts)
 
 
 def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: SamplingConfig,

@@ -46,7 +46,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import pandas as pd
 
@@ -62,7 +62,7 @@ from methods.tree_cache import TreeCacheDrafter
 from .engines.base import Request
 from .errors import UserError
 from .sampling import SamplingConfig
-from .spec.recorded import Recorded, RecordedBackend
+from .spec.recorded import Recorded, RecordedBackend, feed_finished, recorded_rows
 from .spec.scheduler import Scheduler
 from .spec_policy import SpecPolicy
 from .stats import rollout_metrics, safe_div
@@ -242,20 +242,6 @@ def cache_bound(drafter) -> CacheBound | None:
 
 # ---------------------------------------------------------------- the replay loop
 
-def _step_rows(df: pd.DataFrame, max_new_tokens: int) -> list[Recorded]:
-    has_lp, has_rew, has_fr = "logprobs" in df, "reward" in df, "finish_reason" in df
-    rows = []
-    for i, (pid, idx, toks) in enumerate(zip(df["prompt_id"], df["sample_idx"], df["token_ids"])):
-        rec = [int(t) for t in toks][:max_new_tokens]
-        lp = [float(x) for x in df["logprobs"].iat[i]][:len(rec)] if has_lp and df["logprobs"].iat[i] is not None else []
-        if len(lp) != len(rec):
-            lp = [0.0] * len(rec)  # only the ratio rule reads logprobs, and it is refused
-        fr = str(df["finish_reason"].iat[i]) if has_fr else ("length" if len(rec) >= max_new_tokens else "stop")
-        rows.append(Recorded(RolloutKey(str(pid), int(idx)), rec, lp,
-                             float(df["reward"].iat[i]) if has_rew else float("nan"), fr))
-    return rows
-
-
 def run_step(drafter, step: int, rows: list[Recorded], prompts: Mapping[str, list[int]], max_new_tokens: int,
              policy: SpecPolicy | None = None, price=None, iteration_log: list | None = None) -> list[Rollout]:
     """One step's recorded rollouts through the drafter by the engine's scheduler
@@ -300,7 +286,7 @@ def oracle_passes(rollouts_by_step: Mapping[int, pd.DataFrame], max_new_tokens: 
     passes: dict[tuple[int, str, int], int] = {}
     seq = 0
     for step in sorted(rollouts_by_step):
-        rows = [_OracleRow(r.key, r.tokens) for r in _step_rows(rollouts_by_step[step], max_new_tokens)]
+        rows = [_OracleRow(r.key, r.tokens) for r in recorded_rows(rollouts_by_step[step], max_new_tokens)]
         ids, cache = {}, {}
         for r in rows:
             pid = r.key.prompt_id
@@ -340,9 +326,19 @@ class _OracleRow:
 
 # ---------------------------------------------------------------- API
 
+SIM_POLICIES = ("fixed", "batch_threshold")
+
+
 def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str, list[int]],
-             method_cfgs: Mapping[str, Any], max_new_tokens: int, progress: bool = False) -> pd.DataFrame:
+             method_cfgs: Mapping[str, Any], max_new_tokens: int, progress: bool = False,
+             policy: str = "fixed", spec_max_rows: int = 32, run_steps: Sequence[int] | None = None) -> pd.DataFrame:
     """Per-rollout rows (``ROW_COLUMNS``) of every method over the steps in increasing order.
+
+    ``policy`` / ``spec_max_rows``: the engine's speculation policy (``engine.spec_policy``,
+    ``engine.spec_max_rows``). ``run_steps``: the steps simulated (default: every step); the other
+    recorded steps before the last of them are fed to the drafters as finished rollouts, as a
+    sparse replay feeds its rollouts-only steps. ``rows.attrs["iterations"]``: the scheduler's
+    iteration log (one row per pass, with method and step), the engine's ``iterations.parquet``.
 
     method_cfgs: name -> method config (a mapping with ``drafter`` and ``verify``, as in
     ``conf/method/<name>.yaml``) or a drafter instance (taken to be verified exactly). Each
@@ -352,6 +348,16 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
     """
     if max_new_tokens < 1:
         raise SimulationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if policy not in SIM_POLICIES:
+        raise SimulationError(f"policy {policy!r} cannot be simulated yet: use one of {SIM_POLICIES} "
+                              f"(throughput_optimal decides from measured seconds)")
+    run = sorted(rollouts_by_step) if run_steps is None else sorted(run_steps)
+    missing = [s for s in run if s not in rollouts_by_step]
+    if missing:
+        raise SimulationError(f"steps {missing} have no recorded rollouts; recorded steps: {sorted(rollouts_by_step)}")
+    fed = {s: [f for f in sorted(rollouts_by_step) if f not in run and f < s and (i == 0 or f > run[i - 1])]
+           for i, s in enumerate(run)}
+    iterations: list[dict] = []
     for name, cfg in method_cfgs.items():  # refuse before anything runs
         if not hasattr(cfg, "propose"):
             check_simulable(name, cfg)
@@ -373,9 +379,14 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
         label = "" if bound is None else bound.label()
         out = []
         t0 = time.perf_counter()
-        for step in tqdm(sorted(rollouts_by_step), desc=f"simulate {name}", disable=not progress):
-            rows = _step_rows(rollouts_by_step[step], max_new_tokens)
-            done = run_step(drafter, step, rows, prompts, max_new_tokens)
+        spec = SpecPolicy(policy, spec_max_rows)
+        for step in tqdm(run, desc=f"simulate {name}", disable=not progress):
+            for f in fed[step]:
+                feed_finished(drafter, f, recorded_rows(rollouts_by_step[f], max_new_tokens, cut=False), prompts)
+            rows = recorded_rows(rollouts_by_step[step], max_new_tokens)
+            log: list[dict] = []
+            done = run_step(drafter, step, rows, prompts, max_new_tokens, policy=spec, iteration_log=log)
+            iterations += [{"method": name, "step": step, **c} for c in log]
             out += [(name, step, r.key.prompt_id, r.key.sample_idx, len(r.tokens), o.num_drafts,
                      o.num_draft_tokens, o.num_accepted_tokens, o.num_accepted_tokens_per_pos,
                      o.num_forward_passes, passes.get((step, r.key.prompt_id, r.key.sample_idx), 0), label,
@@ -386,6 +397,7 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
         frames.append(pd.DataFrame(out, columns=list(ROW_COLUMNS)))
     rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(ROW_COLUMNS))
     rows.attrs["timings"] = timings
+    rows.attrs["iterations"] = pd.DataFrame(iterations)
     return rows
 
 
@@ -432,8 +444,12 @@ def load_input(path: str | Path) -> tuple[dict[int, pd.DataFrame], dict[str, lis
             raise SimulationError(str(exc)) from exc
         steps = {}
         for s in trace.steps:
-            if s.rollouts is not None:
-                steps[s.step] = trace.rollouts(s.step)
+            if s.rollouts is not None:  # in the replay's row order: the step's prompts, then samples
+                df = trace.rollouts(s.step)
+                order = {p: i for i, p in enumerate(s.prompt_ids)}
+                steps[s.step] = (df.assign(_order=df["prompt_id"].astype(str).map(order))
+                                 .sort_values(["_order", "sample_idx"], kind="stable")
+                                 .drop(columns="_order").reset_index(drop=True))
         if not steps:
             raise SimulationError(f"trace {root} records no rollouts (no step has a `rollouts` file in "
                                   f"{root / MANIFEST}); simulation replays recorded rollouts: re-record "
@@ -465,6 +481,15 @@ def load_input(path: str | Path) -> tuple[dict[int, pd.DataFrame], dict[str, lis
                     prompts[pid] = [int(t) for t in ids]
         steps[step] = df
     return steps, prompts, None
+
+
+def checkpoint_steps(path: str | Path) -> list[int] | None:
+    """The steps a replay of the trace at ``path`` runs (those with a checkpoint); None for logs."""
+    from .trace import MANIFEST, Trace
+    root = Path(path)
+    if not (root / MANIFEST).exists():
+        return None
+    return [s.step for s in Trace.load(root, validate=False).steps if s.checkpoint is not None]
 
 
 def _read_jsonl(path: Path) -> pd.DataFrame:
@@ -561,6 +586,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, help="write the per-step table (.csv or .parquet)")
     ap.add_argument("--rollouts-out", type=Path, help="write the per-rollout rows (.parquet)")
     ap.add_argument("--per-step", action="store_true", help="also print the per-step table")
+    ap.add_argument("--policy", default="fixed", choices=SIM_POLICIES,
+                    help="the engine's speculation policy (engine.spec_policy)")
+    ap.add_argument("--spec-max-rows", type=int, default=32,
+                    help="batch_threshold: no drafts above this many live rows (engine.spec_max_rows)")
+    ap.add_argument("--steps", default="all",
+                    help="all (every recorded step), checkpoints (the steps a replay runs; the other steps "
+                         "before them feed the drafters as finished rollouts, as the replay does) or a "
+                         "comma-separated list")
+    ap.add_argument("--iterations-out", type=Path, help="write the iteration log, one row per pass (.parquet)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
@@ -569,6 +603,7 @@ def main(argv: list[str] | None = None) -> None:
         cfgs = {n: method_config(n) for n in dict.fromkeys(names)}
         for n, c in cfgs.items():
             check_simulable(n, c)
+        run_steps = _parse_steps(args.steps, args.input, steps)
     except SimulationError as exc:
         sys.exit(f"bench.simulate: {exc}")
     max_new = args.max_new_tokens or max_new or max(len(t) for df in steps.values() for t in df["token_ids"])
@@ -577,7 +612,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.input}: {len(steps)} steps, {n_rollouts} rollouts, {n_tokens} tokens, "
           f"max_new_tokens {max_new} (loaded in {time.perf_counter() - t0:.1f}s)")
     t0 = time.perf_counter()
-    rows = simulate(steps, prompts, cfgs, max_new, progress=True)
+    rows = simulate(steps, prompts, cfgs, max_new, progress=True, policy=args.policy,
+                    spec_max_rows=args.spec_max_rows, run_steps=run_steps)
     wall = time.perf_counter() - t0
     pd.set_option("display.width", 200)
     pd.set_option("display.max_columns", 30)
@@ -593,6 +629,23 @@ def main(argv: list[str] | None = None) -> None:
         _write(per_step, args.out)
     if args.rollouts_out:
         _write(rows, args.rollouts_out)
+    if args.iterations_out:
+        _write(rows.attrs["iterations"], args.iterations_out)
+
+
+def _parse_steps(value: str, path: Path, steps: Mapping[int, pd.DataFrame]) -> list[int] | None:
+    if value == "all":
+        return None
+    if value == "checkpoints":
+        found = checkpoint_steps(path)
+        if found is None:
+            raise SimulationError(f"--steps checkpoints needs a trace directory; {path} is a folder of logs")
+        return found
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise SimulationError(f"--steps {value!r}: give all, checkpoints or a comma-separated list of step numbers "
+                              f"(recorded: {sorted(steps)})") from None
 
 
 def _write(df: pd.DataFrame, path: Path) -> None:

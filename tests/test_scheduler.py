@@ -9,7 +9,8 @@ from recording_drafter import recording
 from bench.drafting import drafter_mode
 from bench.engines.base import Request
 from bench.sampling import SamplingConfig
-from bench.simulate import _step_rows, run_step
+from bench.simulate import run_step
+from bench.spec.recorded import recorded_rows
 from bench.spec.recorded import Recorded, RecordedBackend
 from bench.spec.scheduler import Scheduler
 from bench.spec_policy import SpecPolicy, TableLookup
@@ -53,7 +54,7 @@ def test_engine_and_simulator_drive_the_drafter_identically(tiny_trace, kind):
             eng_out = engine.rollout(reqs, sampling, on_engine, VerifyConfig())
             eng_log = [{c: call[c] for c in SHAPE} for call in engine.last_iteration_log]
             sim_log = []
-            sim_out = run_step(on_sim, s.step, _step_rows(df, sampling.max_new_tokens), trace.prompts,
+            sim_out = run_step(on_sim, s.step, recorded_rows(df, sampling.max_new_tokens), trace.prompts,
                                sampling.max_new_tokens, policy=_policy(kind), iteration_log=sim_log)
             assert [r.token_ids for r in eng_out] == [list(t) for t in df.token_ids]  # the recording, replayed
             for c in COUNTERS:

