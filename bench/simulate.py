@@ -650,6 +650,8 @@ def _parse_steps(value: str, path: Path, steps: Mapping[int, pd.DataFrame]) -> l
 
 def _write(df: pd.DataFrame, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    df = df.copy()
+    df.attrs = {}  # timings and the iteration log travel beside the rows, not in the file's metadata
     if path.suffix == ".csv":
         df.to_csv(path, index=False)
     else:

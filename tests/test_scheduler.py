@@ -174,3 +174,18 @@ def test_drafters_declare_what_they_draft():
     assert drafter_mode(Custom()) == "tree"
     with pytest.raises(TypeError, match="drafts must be one of"):
         type("Bad", (NullDrafter,), {"drafts": "sometimes"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["fixed", "batch_threshold"])
+def test_the_simulator_cli_reproduces_a_cli_replay(tmp_path, policy):
+    """``python -m bench.cli`` on torch_ref (float64) and ``python -m bench.simulate`` on the same
+    trace and steps: every exact method's counters per rollout and its iteration log, pass for pass."""
+    from bench.sim_check import check
+    methods = ["baseline", "prefix_reuse_exact", "tree_cache", "hybrid", "history_spec", "das", "seer"]
+    table = check("countdown_tiny", methods, policy, spec_max_rows=4, dtype="float64", out=tmp_path)
+    assert sorted(table["method"]) == sorted(methods)
+    assert (table["engine_emitted_recorded"] == table["rollouts"]).all()
+    assert (table["counters_equal"] == table["rollouts"]).all(), table.to_string()
+    assert table["iteration_log_equal"].all(), table.to_string()
+    assert (table["passes_engine"] > 0).all()
