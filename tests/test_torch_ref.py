@@ -332,3 +332,28 @@ def test_slot_cache_zeroes_new_rows_and_slots_as_far_as_passes_read():
     k, v = cache.update(torch.full((3, 1, 1, 2), 2.0), torch.full((3, 1, 1, 2), 2.0), 0)
     assert not k.isnan().any() and not v.isnan().any()
     assert torch.equal(k[:, :, :2], torch.tensor([[[[1.0, 1.0]] * 2]] * 2 + [[[[0.0, 0.0]] * 2]]))
+
+
+def test_long_chain_blocks_in_query_chunks_give_the_same_tokens(engine64, monkeypatch):
+    """A block whose mask would pass MASK_BYTES runs its queries in chunks (memory rows x chunk x
+    context instead of rows x queries x context): the same tokens and logprobs, first drafts of a
+    whole rollout included."""
+    import bench.engines.torch_block as tb
+    reqs, sampling = requests(6), SAMPLINGS["t1"]
+    base = engine64.rollout(reqs, sampling, Baseline(), VerifyConfig())
+    futures = {r.key: r.token_ids for r in base}
+    chunked = []
+    real_chunked = tb.TorchBackend._chunked
+
+    def spy(self, block):
+        chunked.append(block.input_ids.shape)
+        return real_chunked(self, block)
+
+    monkeypatch.setattr(tb, "MASK_BYTES", 6 * 8 * 8 * 8)  # a few queries per chunk at this size
+    monkeypatch.setattr(tb.TorchBackend, "_chunked", spy)
+    for drafter in (Baseline(), OracleDrafter(futures, None), OracleDrafter(futures, 5)):
+        out = engine64.rollout(reqs, sampling, drafter, VerifyConfig())
+        assert [r.token_ids for r in out] == [r.token_ids for r in base]
+        for a, b in zip(out, base):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-9)
+    assert chunked and max(q for _, q in chunked) > 8

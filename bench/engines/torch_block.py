@@ -19,6 +19,8 @@ from ..verify import Verdict, VerifyConfig, verify_nodes
 from .base import Request
 from .kv_slots import SlotKVCache
 
+MASK_BYTES = 64 << 20  # a pass's attention mask above this (rows x queries x context) runs in query chunks
+
 
 class TorchBackend:
     """One rollout call's KV cache and passes over a loaded ``TorchRefEngine``'s model."""
@@ -47,10 +49,15 @@ class TorchBackend:
         with torch.inference_mode():
             t_f = time.perf_counter()
             g_rows = [rows[i] for i in group]
-            block = Block.build(g_rows, drafts, cache, eng.device, eng.dtype)
+            chunk = self._chunk_rows(g_rows, drafts)
+            block = Block.build(g_rows, drafts, cache, eng.device, eng.dtype, mask=not chunk)
             subset = None if len(group) == len(rows) else torch.tensor(group, device=eng.device)
+            self._subset = subset
             cache.set_block(block.write_index, block.view_len, subset)
-            logits_at, head_s = eng._node_logits(block, cache)
+            if block.mask is None:  # a long chain block: its queries in chunks, each with its own mask
+                logits_at, head_s = self._chunked(block)
+            else:
+                logits_at, head_s = eng._node_logits(block, cache)
             if eng.device.type == "cuda":
                 torch.cuda.synchronize()  # forward seconds are the model's, not the verifier's
             t_v = time.perf_counter()
@@ -58,6 +65,39 @@ class TorchBackend:
             verdicts = verify_nodes(logits_at, eng._vocab, drafts, keys, [len(r.output) for r in g_rows],
                                     sampling, verify, device=eng.device)
             return PassResult(verdicts, t_v - t_f + head_s[0], time.perf_counter() - t_v - head_s[0])
+
+    def _chunk_rows(self, rows: list[LiveRow], drafts: list[Draft]) -> int:
+        """Queries per chunk for a block whose mask would pass ``MASK_BYTES`` (0: one pass, one mask).
+        Only chain blocks on an engine that runs the model's base (its output layer applied apart)."""
+        q = max(len(r.pending) + len(d) for r, d in zip(rows, drafts))
+        view = max(r.cached + len(r.pending) + len(d) for r, d in zip(rows, drafts))
+        itemsize = torch.finfo(self.engine.dtype).bits // 8
+        if (self.engine._base is None or any(d.parents is not None for d in drafts)
+                or len(rows) * q * view * itemsize <= MASK_BYTES):
+            return 0
+        return max(1, min(q, MASK_BYTES // (len(rows) * view * itemsize)))
+
+    def _chunked(self, block: "Block"):
+        """The base model over a block's queries ``chunk`` at a time: each chunk writes its keys and
+        values and reads every slot before it, so the result is the one-pass result (up to floating
+        point) with a mask of rows x chunk x context instead of rows x queries x context."""
+        eng, cache = self.engine, self.cache
+        B, q = block.input_ids.shape
+        chunk = max(1, MASK_BYTES // (B * block.view_len * (torch.finfo(eng.dtype).bits // 8)))
+        real = block.write_index != block.trash
+        cols = torch.arange(block.view_len, device=block.write_index.device)
+        hidden = []
+        for a in range(0, q, chunk):
+            slot, ok = block.write_index[:, a:a + chunk], real[:, a:a + chunk]
+            view = int(slot[ok].max()) + 1 if bool(ok.any()) else 1
+            allowed = (cols[None, None, :view] <= slot[:, :, None]) & ok[:, :, None]
+            allowed[:, :, 0] |= ~ok  # padding queries look at slot 0 only (never an empty softmax)
+            cache.set_block(slot, view, self._subset)
+            hidden.append(eng._base(input_ids=block.input_ids[:, a:a + chunk],
+                                    position_ids=block.position_ids[:, a:a + chunk],
+                                    attention_mask=_additive(allowed, eng.dtype), use_cache=True,
+                                    **{eng._base_cache_kw: cache}).last_hidden_state)
+        return eng._head_at(block, torch.cat(hidden, 1), [0.0])
 
     def commit(self, rows: list[LiveRow], verdicts: list[Verdict]) -> None:
         """Move each row's accepted path (tree nodes off the first branch) into consecutive slots."""
@@ -94,7 +134,7 @@ class Block:
     input_ids: torch.Tensor  # [B, q]
     position_ids: torch.Tensor  # [B, q]
     write_index: torch.Tensor  # [B, q] cache slot of each block position (padding -> trash slot)
-    mask: torch.Tensor  # [B, 1, q, view_len] additive
+    mask: torch.Tensor | None  # [B, 1, q, view_len] additive (None: built per query chunk)
     node_index: torch.Tensor  # [B, K] block index of local node j (K = keep)
     keep: int  # logits kept: the last K block positions
     view_len: int
@@ -102,7 +142,10 @@ class Block:
     root_index: torch.Tensor | None = None  # [B] block index of local node 0 (node j at root + j)
 
     @classmethod
-    def build(cls, rows: list[LiveRow], drafts: list[Draft], cache: SlotKVCache, device, dtype) -> "Block":
+    def build(cls, rows: list[LiveRow], drafts: list[Draft], cache: SlotKVCache, device, dtype,
+              mask: bool = True) -> "Block":
+        """The block of ``rows`` and their ``drafts``; ``mask=False`` (chains only) leaves ``mask``
+        None for a caller that builds it chunk by chunk (``TorchBackend._chunked``)."""
         B = len(rows)
         sizes = [len(r.pending) + len(d) for r, d in zip(rows, drafts)]
         q, K = max(sizes), 1 + max(len(d) for d in drafts)
@@ -133,6 +176,10 @@ class Block:
         node_index = torch.tensor(node_index)
         view_len = int(max(r.cached + s for r, s in zip(rows, sizes)))
         real = slot != trash  # [B, q]
+        if chains and not mask:
+            root = torch.tensor([q - 1 - len(d) for d in drafts])
+            return cls(*_on(device, ids, pos, slot), None, *_on(device, node_index), K, view_len, trash,
+                       *_on(device, root))
         cols = torch.arange(view_len)
         if chains:  # slots of a row are contiguous, so a query sees every slot up to its own
             allowed = (cols[None, None, :] <= slot[:, :, None]) & real[:, :, None]

@@ -254,6 +254,10 @@ class TorchRefEngine:
             return (lambda rows, nodes: logits[rows.to(logits.device), index[rows.to(logits.device),
                                                                                nodes.to(logits.device)]]), head_s
         hidden = self._base(**inputs, **{self._base_cache_kw: cache}).last_hidden_state  # [b, q, H]
+        return self._head_at(block, hidden, head_s)
+
+    def _head_at(self, block: "Block", hidden: torch.Tensor, head_s: list):
+        """``logits_at`` over the hidden states of a block's positions (the output layer on demand)."""
         head = self.model.get_output_embeddings()
         root = block.root_index.to(hidden.device)
         sync = self.device.type == "cuda"
