@@ -187,15 +187,31 @@ def predict(run_dir: str | Path, table: LatencyTable | None = None, hardware: Ha
     measured (host-side work a faster accelerator does not shrink); ``"none"`` leaves them out.
     """
     from .results import load_iterations, load_run
-    if (table is None) == (hardware is None or model is None):
-        raise UserError("predict needs either a latency table (--table) or both --hardware and --model")
-    if host not in ("measured", "none"):
-        raise UserError(f"host={host!r}: choose measured or none")
     _, _, _, steps = load_run(run_dir)
     it = load_iterations(run_dir)
     if it.empty:
         raise UserError(f"{run_dir} has no iterations.parquet rows (recorded by torch_ref from this "
                         f"version on); rerun it to predict")
+    per = predict_iterations(it, table, hardware, model, host)
+    per = per.merge(steps[["step", "method", "wall_s"]].rename(columns={"wall_s": "measured_wall_s"}),
+                    on=["step", "method"], how="left")
+    base = per[per["method"] == "baseline"].set_index("step")
+    per["measured_speedup"] = per["step"].map(base["measured_wall_s"]) / per["measured_wall_s"]
+    return per
+
+
+def predict_iterations(it: pd.DataFrame, table: LatencyTable | None = None, hardware: Hardware | None = None,
+                       model: ModelShape | None = None, host: str = "measured",
+                       host_columns: Sequence[str] = ("drafter_s", "verify_s", "other_s")) -> pd.DataFrame:
+    """``predict`` over an iteration log (an engine run's ``iterations.parquet`` or the simulator's,
+    which is the same schedule): per (step, method) predicted forward, host and total seconds, the
+    predicted speedup against the baseline of the same step, and the predicted tail share (the
+    share of predicted seconds in iterations with at most ``bench.stats.TAIL_ROWS`` live rows)."""
+    from .stats import TAIL_ROWS
+    if (table is None) == (hardware is None or model is None):
+        raise UserError("predict needs either a latency table (--table) or both --hardware and --model")
+    if host not in ("measured", "none"):
+        raise UserError(f"host={host!r}: choose measured or none")
     it = it[it["rows"] > 0]
     if table is not None:
         forward = table.seconds(it["rows"], it["block_tokens"] / it["rows"], it["context_sum"] / it["rows"])
@@ -203,17 +219,16 @@ def predict(run_dir: str | Path, table: LatencyTable | None = None, hardware: Ha
     else:
         forward = roofline_seconds(hardware, model, it["query_tokens"], it["context_sum"], it["rows"])
         label = f"roofline {hardware.name} x {model.name}"
-    host_s = it[["drafter_s", "verify_s", "other_s"]].sum(axis=1) if host == "measured" else 0.0
+    host_s = it[list(host_columns)].sum(axis=1) if host == "measured" else 0.0
     label += "" if host == "measured" else ", forward passes only"
-    it = it.assign(predicted_forward_s=forward, predicted_host_s=host_s,
-                   predicted_s=forward + host_s)
+    it = it.assign(predicted_forward_s=forward, predicted_host_s=host_s, predicted_s=forward + host_s)
+    it = it.assign(predicted_tail_s=it["predicted_s"].where(it["live_rows"] <= TAIL_ROWS, 0.0))
     per = it.groupby(["step", "method"], as_index=False)[
-        ["predicted_forward_s", "predicted_host_s", "predicted_s"]].sum()
-    per = per.merge(steps[["step", "method", "wall_s"]].rename(columns={"wall_s": "measured_wall_s"}),
-                    on=["step", "method"], how="left")
+        ["predicted_forward_s", "predicted_host_s", "predicted_s", "predicted_tail_s"]].sum()
+    per["predicted_tail_share"] = per["predicted_tail_s"] / per["predicted_s"]
+    per = per.drop(columns="predicted_tail_s")
     base = per[per["method"] == "baseline"].set_index("step")
     per["predicted_speedup"] = per["step"].map(base["predicted_s"]) / per["predicted_s"]
-    per["measured_speedup"] = per["step"].map(base["measured_wall_s"]) / per["measured_wall_s"]
     per.insert(0, "target", label)
     return per
 

@@ -595,11 +595,19 @@ def main(argv: list[str] | None = None) -> None:
                          "before them feed the drafters as finished rollouts, as the replay does) or a "
                          "comma-separated list")
     ap.add_argument("--iterations-out", type=Path, help="write the iteration log, one row per pass (.parquet)")
+    ap.add_argument("--predict", action="append", default=[], metavar="HARDWARE:MODEL",
+                    help="price every pass through the roofline of conf/hardware x conf/model_shape, e.g. "
+                         "h200:llama-3.1-8b (repeatable); adds the baseline if it is not simulated")
+    ap.add_argument("--table", action="append", default=[], metavar="CSV",
+                    help="price every pass through a latency table (python -m bench.latency profile; repeatable)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
         steps, prompts, max_new = load_input(args.input)
         names = [n for m in args.method for n in (simulable_methods() if m == "all" else [m])]
+        targets = _prediction_targets(args.predict, args.table)
+        if targets and "baseline" not in names:
+            names = ["baseline", *names]  # the speedups are against it
         cfgs = {n: method_config(n) for n in dict.fromkeys(names)}
         for n, c in cfgs.items():
             check_simulable(n, c)
@@ -620,6 +628,10 @@ def main(argv: list[str] | None = None) -> None:
     table = summarize(rows)
     print(table[SHOW].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     per_step = summarize(rows, per_step=True)
+    if targets:
+        predicted = predictions(rows.attrs["iterations"], targets)
+        _print_predictions(predicted)
+        per_step = per_step.merge(_wide(predicted), on=["method", "step"], how="left")
     if args.per_step:
         print(per_step[["step", *SHOW]].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(textwrap.fill(LEGEND, 110))
@@ -631,6 +643,56 @@ def main(argv: list[str] | None = None) -> None:
         _write(rows, args.rollouts_out)
     if args.iterations_out:
         _write(rows.attrs["iterations"], args.iterations_out)
+
+
+def _prediction_targets(predict: list[str], tables: list[str]) -> list[dict]:
+    """--predict HARDWARE:MODEL and --table CSV as targets, each checked now (one clear error)."""
+    from .latency import LatencyTable
+    from .roofline import Hardware, ModelShape
+    out = []
+    for item in predict:
+        hw, sep, model = item.partition(":")
+        if not sep or not hw or not model:
+            raise SimulationError(f"--predict {item!r}: give HARDWARE:MODEL, e.g. h200:llama-3.1-8b "
+                                  f"(names in conf/hardware and conf/model_shape)")
+        try:
+            out.append({"hardware": Hardware.named(hw), "model": ModelShape.named(model)})
+        except Exception as exc:  # the roofline's own message names the choices
+            raise SimulationError(f"--predict {item!r}: {exc}") from exc
+    for path in tables:
+        if not Path(path).is_file():
+            raise SimulationError(f"--table {path}: no such file; write one with python -m bench.latency profile")
+        out.append({"table": LatencyTable.read(path)})
+    return out
+
+
+def predictions(iterations: pd.DataFrame, targets: list[dict]) -> pd.DataFrame:
+    """Predicted seconds, speedup and tail share per (target, step, method) of a simulated
+    schedule. A pass costs the target's forward seconds plus the drafter's seconds measured here
+    (the simulator has no verifier, and its bookkeeping is not an engine's: neither is added)."""
+    from .latency import predict_iterations
+    frames = [predict_iterations(iterations, t.get("table"), t.get("hardware"), t.get("model"),
+                                 host_columns=("drafter_s",)) for t in targets]
+    return pd.concat(frames, ignore_index=True)
+
+
+def _wide(predicted: pd.DataFrame) -> pd.DataFrame:
+    """One column per target and figure, e.g. ``predicted_speedup [roofline h200 x llama-3.1-8b]``."""
+    cols = ["predicted_s", "predicted_speedup", "predicted_tail_share"]
+    wide = predicted.pivot_table(index=["method", "step"], columns="target", values=cols)
+    wide.columns = [f"{c} [{t}]" for c, t in wide.columns]
+    return wide.reset_index()
+
+
+def _print_predictions(predicted: pd.DataFrame) -> None:
+    g = predicted.groupby(["target", "method"], as_index=False, sort=False)[
+        ["predicted_s", "predicted_tail_share"]].mean()
+    base = g[g["method"] == "baseline"].set_index("target")["predicted_s"]
+    g["predicted_speedup"] = g["target"].map(base) / g["predicted_s"]
+    g = g.rename(columns={"predicted_s": "predicted_s_per_step"})
+    print("\nPredicted (not measured): the simulated schedule's passes priced per target, plus the drafter's "
+          "seconds measured here")
+    print(g.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
 
 
 def _parse_steps(value: str, path: Path, steps: Mapping[int, pd.DataFrame]) -> list[int] | None:

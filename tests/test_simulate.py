@@ -298,3 +298,39 @@ def test_simulation_matches_the_engine_on_the_tiny_trace(tiny_trace):
               f"{both.num_accepted_tokens_sim.sum()}, rollouts differing {int((diff > 0).sum())}/{len(both)}")
         for c in COUNTERS + ["num_accepted_tokens_per_pos"]:
             assert both[f"{c}_eng"].tolist() == both[f"{c}_sim"].tolist(), (name, c)
+
+
+def test_a_simulated_schedule_priced_through_a_hand_made_table():
+    """One rollout [5, 6, 7, 8, EOS] after a 2-token prompt. The baseline's schedule: a prefill of
+    2 tokens, then 4 one-token passes; the future oracle's: one pass of 2 + 5 tokens. A table of
+    1 ms per query token (any rows, any context) prices them at 6 ms and 7 ms."""
+    from bench.latency import LatencyTable, predict_iterations
+    step = step_table([("a", 0, [5, 6, 7, 8, EOS])])
+    rows = simulate({0: step}, {"a": [9, 9]}, {"baseline": method_config("baseline"),
+                                              FUTURE_ORACLE: method_config(FUTURE_ORACLE)}, max_new_tokens=16)
+    it = rows.attrs["iterations"]
+    base = it[it.method == "baseline"]
+    assert base["block_tokens"].tolist() == [2, 1, 1, 1, 1] and base["context_sum"].tolist() == [2, 3, 4, 5, 6]
+    assert it[it.method == FUTURE_ORACLE]["block_tokens"].tolist() == [7]
+    grid = [(r, q, c, 1e-3 * q) for r in (1, 2) for q in (1, 2, 4) for c in (1, 100)]
+    table = LatencyTable(pd.DataFrame(grid, columns=["rows", "query", "context", "seconds"]), "hand")
+    per = predict_iterations(it, table, host="none").set_index("method")
+    assert per.loc["baseline", "predicted_s"] == pytest.approx(6e-3)
+    assert per.loc[FUTURE_ORACLE, "predicted_s"] == pytest.approx(7e-3)  # 7 query tokens: extrapolated
+    assert per.loc[FUTURE_ORACLE, "predicted_speedup"] == pytest.approx(6 / 7)
+    assert per.loc["baseline", "predicted_tail_share"] == 1.0  # one live row: all of it is the tail
+
+
+def test_the_simulator_cli_prints_and_writes_predictions(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    STEP0.assign(prompt_token_ids=[[9, 9]] * len(STEP0)).to_parquet(logs / "step_00001.parquet")
+    out = tmp_path / "table.csv"
+    main([str(logs), "--method", "tree_cache", "--predict", "h200:llama-3.1-8b", "--out", str(out)])
+    table = pd.read_csv(out)
+    assert set(table["method"]) == {"baseline", "tree_cache"}  # the baseline added for the speedups
+    col = "predicted_speedup [roofline h200 x llama-3.1-8b]"
+    assert col in table and (table[table.method == "baseline"][col] == 1.0).all()
+    assert "Predicted (not measured)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="give HARDWARE:MODEL"):
+        main([str(logs), "--method", "tree_cache", "--predict", "h200"])
