@@ -118,7 +118,7 @@ def latency_tables(out: Path, device: str, small: bool, context: int = 1024) -> 
                      f"{name} ({table['model'].iat[0]}), {dtype}, context {context}, "
                      f"{time.perf_counter() - t:.0f} s:\n")
         lines.append(ratio.round(2).to_string())
-        lines.append(f"decode step ms by live rows: " + ", ".join(
+        lines.append("decode step ms by live rows: " + ", ".join(
             f"{r}: {1e3 * v:.2f}" for r, v in pivot.loc[1].items()))
         del engine
         if device.startswith("cuda"):

@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 
 from bench.errors import UserError
-from bench.trace import Trace, TraceError
+from bench.trace import TraceError
 from bench.trace_import import RETOKENIZED_NOTE, import_trace, read_dump
 from bench.trace_import import main as import_main
 
