@@ -72,6 +72,42 @@ def _group_options() -> dict[str, set[str]]:
             if d.is_dir() and d.name != "hydra"}
 
 
+def _choices(args: list[str], group: str) -> list[str]:
+    """The options ``args`` select in a config group (``method=[a,b]``, ``engine=vllm``), in order."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    parser, out = OverridesParser.create(), []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_overrides([arg])[0]
+        except Exception:
+            continue
+        if override.key_or_group == group and not override.is_delete():
+            value = override.value()
+            out += [str(v) for v in (value if isinstance(value, list) else [value])]
+    return out
+
+
+def print_listing(args: list[str]) -> bool:
+    """``--methods``: every method in a line; ``--knobs``: the knob tables of the methods and engine
+    the other arguments select (every method when none is). True when something was printed."""
+    from .knobs.listing import knobs_text, methods_text
+    from .knobs.engines import ENGINES
+    from .knobs.methods import METHODS
+    if "--methods" in args:
+        print(methods_text())
+        return True
+    if "--knobs" not in args:
+        return False
+    methods, engines = _choices(args, "method"), _choices(args, "engine")
+    for name, known, group in [*((m, METHODS, "method") for m in methods), *((e, ENGINES, "engine") for e in engines)]:
+        if name not in known:
+            raise UserError(f"{group}={name}: no {group} of that name; choose from {', '.join(known)}")
+    print(knobs_text(methods, engines), end="")
+    return True
+
+
 def check_overrides(args: list[str]) -> None:
     """Refuse a config-group option that does not exist (``method=nope``) with one line, before
     Hydra composes the config (its own message spans a screen). Anything this cannot parse, and
@@ -148,6 +184,8 @@ def _check_methods(cfg: DictConfig) -> list[tuple[str, VerifyConfig]]:
     """Every selected method: a drafter that can be built with its knobs, a valid verify rule."""
     if not cfg.get("method"):
         raise UserError("no method selected: add method=NAME or method=[NAME,...] (conf/method/)")
+    from .knobs.check import validate_methods
+    validate_methods(cfg)  # names, types and ranges first; then the constructors' own checks
     out = []
     for name, mcfg in cfg.method.items():
         if not isinstance(mcfg, DictConfig) or "_target_" not in (mcfg.get("drafter") or {}):
@@ -249,6 +287,8 @@ def prepare(cfg: DictConfig):
     if missing:
         raise UserError(f"{', '.join(missing)} must be set (it is ??? in the config), e.g. "
                         f"{missing[0]}=VALUE on the command line")
+    from .knobs.check import validate
+    validate(cfg)  # every option's name, type and range, from the schemas (bench/knobs/)
     verifies = _check_methods(cfg)
     trace = load_trace(cfg)
     values = resolve_sampling(cfg, trace)
@@ -348,13 +388,29 @@ def _hydra_main(cfg: DictConfig) -> None:
         exit_on_user_error(exc)
 
 
-def hydra_entry(hydra_main) -> None:
-    """Run a ``@hydra.main`` function as an entry point: unknown config-group options are refused
-    in one line first, user errors print as one line (``SPECROLLOUT_DEBUG=1``: tracebacks)."""
+def check_job(cfg: DictConfig) -> None:
+    """What can be checked of one job's config without loading its trace or engine."""
+    from .knobs.check import validate
+    validate(cfg)
+    _check_methods(cfg)
+
+
+def hydra_entry(hydra_main, config_name: str = "bench", check=check_job) -> None:
+    """Run a ``@hydra.main`` function as an entry point: ``--methods`` / ``--knobs`` print the
+    schemas; unknown config-group options are refused in one line first, and a sweep (``-m``) has
+    every job's config ``check``-ed before the first job starts; user errors print as one line
+    (``SPECROLLOUT_DEBUG=1``: tracebacks)."""
     if debug_enabled():
         os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
+        if print_listing(sys.argv[1:]):
+            return
         check_overrides(sys.argv[1:])
+        from .knobs.check import check_override_keys
+        check_override_keys(sys.argv[1:], top_level=config_name == "bench")
+        if {"-m", "--multirun"} & set(sys.argv[1:]):
+            from .knobs.sweep import validate_sweep
+            validate_sweep(CONF_DIR, config_name, sys.argv[1:], check)
     except UserError as exc:
         exit_on_user_error(exc)
     hydra_main()

@@ -114,4 +114,4 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """The entry point of ``python -m bench.train``."""
-    hydra_entry(_hydra_main)
+    hydra_entry(_hydra_main, "train", _check_methods)
