@@ -407,7 +407,8 @@ def hydra_entry(hydra_main, config_name: str = "bench", check=check_job) -> None
             return
         check_overrides(sys.argv[1:])
         from .knobs.check import check_override_keys
-        check_override_keys(sys.argv[1:], top_level=config_name == "bench")
+        if not any(a.startswith(("--config-dir", "-cd", "hydra.searchpath", "+hydra.searchpath")) for a in sys.argv):
+            check_override_keys(sys.argv[1:], top_level=config_name == "bench")  # other configs: Hydra's check
         if {"-m", "--multirun"} & set(sys.argv[1:]):
             from .knobs.sweep import validate_sweep
             validate_sweep(CONF_DIR, config_name, sys.argv[1:], check)
