@@ -110,6 +110,25 @@ def roofline_seconds(hw: Hardware, model: ModelShape, query_tokens, context_sum,
     return np.maximum(t_mem, t_flops) + hw.overhead_s
 
 
+class RooflineTable:
+    """A roofline read as a latency table (``query_seconds``, ``seconds``), so the speculation policy
+    and ``bench.spec.prices.TablePrices`` can decide and price by a named GPU without a measured
+    table: a pass of ``rows`` rows padded to a query width costs ``roofline_seconds`` of
+    rows x width query tokens (the block as torch_ref runs it) at the rows' mean context."""
+
+    def __init__(self, hardware: Hardware, model: ModelShape):
+        self.hardware, self.model = hardware, model
+        self.label = f"roofline {hardware.name} x {model.name}"
+
+    def seconds(self, rows, query, context) -> np.ndarray:
+        rows, query, context = (np.asarray(v, dtype=float) for v in (rows, query, context))
+        return roofline_seconds(self.hardware, self.model, rows * query, rows * context, rows)
+
+    def query_seconds(self, rows: float, queries, context: float) -> list[float]:
+        n = len(queries)
+        return self.seconds([rows] * n, list(queries), [context] * n).tolist()
+
+
 def _names(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 

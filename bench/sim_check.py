@@ -3,9 +3,12 @@
 
     python -m bench.sim_check --trace countdown_search --policy fixed            # the bundled trace
     python -m bench.sim_check --trace countdown_tiny --policy batch_threshold --spec-max-rows 8
+    python -m bench.sim_check --trace countdown_search --policy throughput_optimal --table TABLE.csv
 
 Both run the same scheduler (``bench.spec.scheduler``), so for exact methods under a policy that
-reads no clock (``fixed``, ``batch_threshold``) they must agree exactly wherever the engine emitted
+reads no clock (``fixed``, ``batch_threshold``; ``throughput_optimal`` with ``--table``: the engine
+runs with ``engine.seconds=table``, the simulator prices by the same table, so neither reads a
+clock, ``bench.spec.prices``) they must agree exactly wherever the engine emitted
 the recorded tokens (a baseline replay with the recorder's seed does; a float32 near-tie can flip
 one, and the table says where). The printed table is what results/LOG.md records.
 """
@@ -42,7 +45,8 @@ def replay_with_cli(out: Path, trace: str, methods: list[str], policy: str, spec
     return out / "runs" / "engine"
 
 
-def simulate_like(run_dir: Path, out: Path, methods: list[str], policy: str, spec_max_rows: int):
+def simulate_like(run_dir: Path, out: Path, methods: list[str], policy: str, spec_max_rows: int,
+                  table: str | None = None):
     """``python -m bench.simulate`` on the run's trace and steps; (rollout rows, iteration rows)."""
     from .simulate import main
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -50,13 +54,14 @@ def simulate_like(run_dir: Path, out: Path, methods: list[str], policy: str, spe
     argv = [config["trace"]["path"], *[a for m in methods for a in ("--method", m)], "--policy", policy,
             "--spec-max-rows", str(spec_max_rows), "--steps", ",".join(map(str, steps)),
             "--rollouts-out", str(out / "sim_rollouts.parquet"), "--iterations-out", str(out / "sim_iter.parquet")]
-    main(argv)
+    main(argv + (["--table", table] if table else []))
     return pd.read_parquet(out / "sim_rollouts.parquet"), pd.read_parquet(out / "sim_iter.parquet")
 
 
-def compare(run_dir: Path, sim_rows: pd.DataFrame, sim_iter: pd.DataFrame) -> pd.DataFrame:
+def compare(run_dir: Path, sim_rows: pd.DataFrame, sim_iter: pd.DataFrame, priced: bool = False) -> pd.DataFrame:
     """One row per method: rollouts, how many equal in every counter, passes on each side, whether
-    the iteration logs are equal pass for pass, and the first differing pass."""
+    the iteration logs are equal pass for pass (``priced``: their forward seconds too), and the
+    first differing pass."""
     from .results import load_iterations, load_run
     _, _, eng_rows, _ = load_run(run_dir)
     eng_iter = load_iterations(run_dir)
@@ -73,6 +78,9 @@ def compare(run_dir: Path, sim_rows: pd.DataFrame, sim_iter: pd.DataFrame) -> pd
         s = sim_iter[sim_iter["method"] == method].sort_values(["step", "iteration", "call"])
         e_vals = e[["step", *SHAPE]].astype("int64").values.tolist()
         s_vals = s[["step", *SHAPE]].astype("int64").values.tolist()
+        if priced:  # priced passes: the seconds too, to the bit
+            e_vals = [v + [f] for v, f in zip(e_vals, e["forward_s"].tolist())]
+            s_vals = [v + [f] for v, f in zip(s_vals, s["forward_s"].tolist())]
         first = next((i for i, (a, b) in enumerate(zip(e_vals, s_vals)) if a != b), None)
         if first is None and len(e_vals) != len(s_vals):
             first = min(len(e_vals), len(s_vals))
@@ -85,26 +93,34 @@ def compare(run_dir: Path, sim_rows: pd.DataFrame, sim_iter: pd.DataFrame) -> pd
 
 
 def check(trace: str, methods: list[str], policy: str = "fixed", spec_max_rows: int = 32, dtype: str = "float32",
-          out: Path | None = None, extra: list[str] = ()) -> pd.DataFrame:
+          out: Path | None = None, extra: list[str] = (), table: str | None = None) -> pd.DataFrame:
+    """``table``: both sides priced by this latency table (needed for ``throughput_optimal``)."""
+    if policy == "throughput_optimal" and not table:
+        raise SystemExit("bench.sim_check: --policy throughput_optimal compares priced runs: give --table CSV")
+    if table:
+        table = str(Path(table).resolve())
+        extra = [*extra, f"engine.latency_table={table}", "engine.seconds=table"]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(out or tmp)
         run_dir = replay_with_cli(out, trace, methods, policy, spec_max_rows, dtype, extra)
-        sim_rows, sim_iter = simulate_like(run_dir, out, methods, policy, spec_max_rows)
-        return compare(run_dir, sim_rows, sim_iter)
+        sim_rows, sim_iter = simulate_like(run_dir, out, methods, policy, spec_max_rows, table)
+        return compare(run_dir, sim_rows, sim_iter, priced=bool(table))
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default="countdown_search", help="a conf/trace name")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated exact methods")
-    ap.add_argument("--policy", default="fixed", choices=("fixed", "batch_threshold"))
+    ap.add_argument("--policy", default="fixed", choices=("fixed", "batch_threshold", "throughput_optimal"))
+    ap.add_argument("--table", help="a latency table CSV: the engine runs engine.seconds=table, the simulator "
+                                    "prices by it (required by throughput_optimal)")
     ap.add_argument("--spec-max-rows", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", type=Path, help="keep the run folder and the simulator's files here")
     ap.add_argument("extra", nargs="*", help="more bench.cli overrides (e.g. engine.max_batch_size=16)")
     args = ap.parse_args(argv)
     table = check(args.trace, args.methods.split(","), args.policy, args.spec_max_rows, args.dtype, args.out,
-                  args.extra)
+                  args.extra, args.table)
     print(table.to_string(index=False))
     bad = table[(table.counters_equal < table.rollouts) | ~table.iteration_log_equal]
     if len(bad):

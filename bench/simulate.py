@@ -243,14 +243,15 @@ def cache_bound(drafter) -> CacheBound | None:
 # ---------------------------------------------------------------- the replay loop
 
 def run_step(drafter, step: int, rows: list[Recorded], prompts: Mapping[str, list[int]], max_new_tokens: int,
-             policy: SpecPolicy | None = None, price=None, iteration_log: list | None = None) -> list[Rollout]:
+             policy: SpecPolicy | None = None, prices=None, iteration_log: list | None = None) -> list[Rollout]:
     """One step's recorded rollouts through the drafter by the engine's scheduler
     (``bench.spec.scheduler``) over the recorded-tokens backend; the rollouts in row order.
-    ``iteration_log``, if given, gets the scheduler's one dict per pass."""
+    ``iteration_log``, if given, gets the scheduler's one dict per pass; ``prices``
+    (``bench.spec.prices.TablePrices``) prices every pass on a virtual clock."""
     if isinstance(drafter, RecordedOracle):
         drafter.set_futures({r.key: r.tokens for r in rows})
     drafter.begin_step(step)
-    scheduler = Scheduler(RecordedBackend({r.key: r for r in rows}, price), policy or SpecPolicy("fixed"))
+    scheduler = Scheduler(RecordedBackend({r.key: r for r in rows}), policy or SpecPolicy("fixed"), prices=prices)
     if iteration_log is not None:
         scheduler.iteration_log = iteration_log
     requests = [Request(r.key, list(prompts.get(r.key.prompt_id, ())), step) for r in rows]
@@ -326,16 +327,19 @@ class _OracleRow:
 
 # ---------------------------------------------------------------- API
 
-SIM_POLICIES = ("fixed", "batch_threshold")
+SIM_POLICIES = ("fixed", "batch_threshold", "throughput_optimal")
 
 
 def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str, list[int]],
              method_cfgs: Mapping[str, Any], max_new_tokens: int, progress: bool = False,
-             policy: str = "fixed", spec_max_rows: int = 32, run_steps: Sequence[int] | None = None) -> pd.DataFrame:
+             policy: str = "fixed", spec_max_rows: int = 32, run_steps: Sequence[int] | None = None,
+             prices=None) -> pd.DataFrame:
     """Per-rollout rows (``ROW_COLUMNS``) of every method over the steps in increasing order.
 
     ``policy`` / ``spec_max_rows``: the engine's speculation policy (``engine.spec_policy``,
-    ``engine.spec_max_rows``). ``run_steps``: the steps simulated (default: every step); the other
+    ``engine.spec_max_rows``); ``throughput_optimal`` needs ``prices`` (``bench.spec.prices.TablePrices``
+    of a latency table or a ``RooflineTable``), which then price every pass and time nothing else, as
+    torch_ref's ``engine.seconds=table`` does. ``run_steps``: the steps simulated (default: every step); the other
     recorded steps before the last of them are fed to the drafters as finished rollouts, as a
     sparse replay feeds its rollouts-only steps. ``rows.attrs["iterations"]``: the scheduler's
     iteration log (one row per pass, with method and step), the engine's ``iterations.parquet``.
@@ -349,8 +353,10 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
     if max_new_tokens < 1:
         raise SimulationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if policy not in SIM_POLICIES:
-        raise SimulationError(f"policy {policy!r} cannot be simulated yet: use one of {SIM_POLICIES} "
-                              f"(throughput_optimal decides from measured seconds)")
+        raise SimulationError(f"policy {policy!r} is not a speculation policy: use one of {SIM_POLICIES}")
+    if policy == "throughput_optimal" and prices is None:
+        raise SimulationError("policy throughput_optimal decides from seconds: give one price target (--table CSV "
+                              "or --predict HARDWARE:MODEL)")
     run = sorted(rollouts_by_step) if run_steps is None else sorted(run_steps)
     missing = [s for s in run if s not in rollouts_by_step]
     if missing:
@@ -379,13 +385,14 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
         label = "" if bound is None else bound.label()
         out = []
         t0 = time.perf_counter()
-        spec = SpecPolicy(policy, spec_max_rows)
+        spec = SpecPolicy(policy, spec_max_rows, None if prices is None else prices.table)
         for step in tqdm(run, desc=f"simulate {name}", disable=not progress):
             for f in fed[step]:
                 feed_finished(drafter, f, recorded_rows(rollouts_by_step[f], max_new_tokens, cut=False), prompts)
             rows = recorded_rows(rollouts_by_step[step], max_new_tokens)
             log: list[dict] = []
-            done = run_step(drafter, step, rows, prompts, max_new_tokens, policy=spec, iteration_log=log)
+            done = run_step(drafter, step, rows, prompts, max_new_tokens, policy=spec, prices=prices,
+                            iteration_log=log)
             iterations += [{"method": name, "step": step, **c} for c in log]
             out += [(name, step, r.key.prompt_id, r.key.sample_idx, len(r.tokens), o.num_drafts,
                      o.num_draft_tokens, o.num_accepted_tokens, o.num_accepted_tokens_per_pos,
@@ -587,7 +594,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rollouts-out", type=Path, help="write the per-rollout rows (.parquet)")
     ap.add_argument("--per-step", action="store_true", help="also print the per-step table")
     ap.add_argument("--policy", default="fixed", choices=SIM_POLICIES,
-                    help="the engine's speculation policy (engine.spec_policy)")
+                    help="the engine's speculation policy (engine.spec_policy); throughput_optimal decides by the "
+                         "one --table or --predict target given, every pass priced by it (engine.seconds=table)")
     ap.add_argument("--spec-max-rows", type=int, default=32,
                     help="batch_threshold: no drafts above this many live rows (engine.spec_max_rows)")
     ap.add_argument("--steps", default="all",
@@ -612,6 +620,7 @@ def main(argv: list[str] | None = None) -> None:
         for n, c in cfgs.items():
             check_simulable(n, c)
         run_steps = _parse_steps(args.steps, args.input, steps)
+        prices = _policy_prices(args.policy, targets)
     except SimulationError as exc:
         sys.exit(f"bench.simulate: {exc}")
     max_new = args.max_new_tokens or max_new or max(len(t) for df in steps.values() for t in df["token_ids"])
@@ -621,7 +630,7 @@ def main(argv: list[str] | None = None) -> None:
           f"max_new_tokens {max_new} (loaded in {time.perf_counter() - t0:.1f}s)")
     t0 = time.perf_counter()
     rows = simulate(steps, prompts, cfgs, max_new, progress=True, policy=args.policy,
-                    spec_max_rows=args.spec_max_rows, run_steps=run_steps)
+                    spec_max_rows=args.spec_max_rows, run_steps=run_steps, prices=prices)
     wall = time.perf_counter() - t0
     pd.set_option("display.width", 200)
     pd.set_option("display.max_columns", 30)
@@ -664,6 +673,21 @@ def _prediction_targets(predict: list[str], tables: list[str]) -> list[dict]:
             raise SimulationError(f"--table {path}: no such file; write one with python -m bench.latency profile")
         out.append({"table": LatencyTable.read(path)})
     return out
+
+
+def _policy_prices(policy: str, targets: list[dict]):
+    """throughput_optimal's prices: the one target's table or roofline (None for the other policies)."""
+    if policy != "throughput_optimal":
+        return None
+    if len(targets) != 1:
+        raise SimulationError(f"--policy throughput_optimal decides by one target's prices, got {len(targets)} "
+                              f"(--table / --predict): run once per target")
+    from .spec.prices import TablePrices
+    target = targets[0]
+    if "table" in target:
+        return TablePrices(target["table"])
+    from .roofline import RooflineTable
+    return TablePrices(RooflineTable(target["hardware"], target["model"]))
 
 
 def predictions(iterations: pd.DataFrame, targets: list[dict]) -> pd.DataFrame:

@@ -33,6 +33,58 @@ def _policy(kind):
     return SpecPolicy(kind, max_rows=3)
 
 
+def gpu_like_table(path=None):
+    """A latency table shaped like a GPU's at small scale: a fixed cost per pass plus a little per
+    query token and per context token read, so drafting pays for some rows and batches, not others."""
+    import pandas as pd
+    from bench.latency import LatencyTable
+    grid = [(r, q, c, 1e-3 + 2e-5 * r * q + 1e-7 * r * c) for r in (1, 4, 16, 64) for q in (1, 2, 4, 8, 16, 32, 64)
+            for c in (8, 64, 512, 4096)]
+    frame = pd.DataFrame(grid, columns=["rows", "query", "context", "seconds"])
+    if path is not None:
+        frame.to_csv(path, index=False)
+    return LatencyTable(frame, "gpu-like")
+
+
+@pytest.mark.slow
+def test_engine_and_simulator_agree_under_throughput_optimal_on_table_prices(tiny_trace, tmp_path):
+    """throughput_optimal decides from seconds; with every pass priced by one table and nothing else
+    timed (torch_ref's engine.seconds=table, the simulator's prices) the engine and the simulator
+    make the same decisions: the same drafter calls, caps, passes, forward seconds and counters."""
+    from bench.engines.torch_ref import TorchRefEngine
+    from bench.spec.prices import TablePrices
+    from bench.trace import Trace
+    trace = Trace.load(tiny_trace)
+    sampling = trace.sampling.to_config()
+    gpu_like_table(tmp_path / "table.csv")
+    engine = TorchRefEngine(dtype="float64", spec_policy="throughput_optimal", latency_table=str(tmp_path / "table.csv"),
+                            seconds="table")
+    budgets = set()
+    for cls, kw in ((TreeCacheDrafter, {}), (SeerDrafter, {"max_batch_draft_tokens": 8}), (HistorySpecDrafter, {})):
+        on_engine, on_sim = recording(cls)(**kw), recording(cls)(**kw)
+        table = gpu_like_table()
+        sim_policy, prices = SpecPolicy("throughput_optimal", table=table), TablePrices(table)
+        for s in trace.steps:
+            df = trace.rollouts(s.step)
+            engine.load(trace.checkpoint(s.step))
+            on_engine.begin_step(s.step)
+            reqs = [Request(RolloutKey(p, int(i)), trace.prompts[p], s.step) for p, i in zip(df.prompt_id, df.sample_idx)]
+            eng_out = engine.rollout(reqs, sampling, on_engine, VerifyConfig())
+            eng_log = [{c: call[c] for c in [*SHAPE, "forward_s", "verify_s"]} for call in engine.last_iteration_log]
+            sim_log = []
+            sim_out = run_step(on_sim, s.step, recorded_rows(df, sampling.max_new_tokens), trace.prompts,
+                               sampling.max_new_tokens, policy=sim_policy, prices=prices, iteration_log=sim_log)
+            assert [r.token_ids for r in eng_out] == [list(t) for t in df.token_ids]
+            for c in COUNTERS:
+                assert [getattr(r, c) for r in eng_out] == [getattr(r, c) for r in sim_out], (cls.__name__, c)
+            assert eng_log == [{c: call[c] for c in [*SHAPE, "forward_s", "verify_s"]} for call in sim_log]
+            assert [r.last_token_time for r in eng_out] == [r.last_token_time for r in sim_out]  # priced seconds
+            budgets |= {call["draft_budget"] for call in eng_log}
+        assert on_engine.calls == on_sim.calls, cls.__name__
+    engine.close()
+    assert 0 in budgets and any(b > 0 for b in budgets), budgets  # the policy drafted and declined
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fixed", "batch_threshold"])
 def test_engine_and_simulator_drive_the_drafter_identically(tiny_trace, kind):
@@ -177,13 +229,18 @@ def test_drafters_declare_what_they_draft():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["fixed", "batch_threshold"])
+@pytest.mark.parametrize("policy", ["fixed", "batch_threshold", "throughput_optimal"])
 def test_the_simulator_cli_reproduces_a_cli_replay(tmp_path, policy):
     """``python -m bench.cli`` on torch_ref (float64) and ``python -m bench.simulate`` on the same
-    trace and steps: every exact method's counters per rollout and its iteration log, pass for pass."""
+    trace and steps: every exact method's counters per rollout and its iteration log, pass for pass
+    (throughput_optimal: both priced by one table, the forward seconds equal too)."""
     from bench.sim_check import check
     methods = ["baseline", "prefix_reuse_exact", "tree_cache", "hybrid", "history_spec", "das", "seer"]
-    table = check("countdown_tiny", methods, policy, spec_max_rows=4, dtype="float64", out=tmp_path)
+    csv = None
+    if policy == "throughput_optimal":
+        gpu_like_table(tmp_path / "table.csv")
+        csv = str(tmp_path / "table.csv")
+    table = check("countdown_tiny", methods, policy, spec_max_rows=4, dtype="float64", out=tmp_path, table=csv)
     assert sorted(table["method"]) == sorted(methods)
     assert (table["engine_emitted_recorded"] == table["rollouts"]).all()
     assert (table["counters_equal"] == table["rollouts"]).all(), table.to_string()

@@ -25,6 +25,7 @@ import torch
 from methods.base import Drafter, NullDrafter, Rollout
 
 from ..sampling import SamplingConfig
+from ..spec.prices import TablePrices
 from ..spec.scheduler import Scheduler, policy_name
 from ..spec_policy import SpecPolicy
 from ..verify import VerifyConfig, check_rule
@@ -35,6 +36,7 @@ from .torch_block import Block, TorchBackend
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
+SECONDS = ("measured", "table")  # engine.seconds: the clock, or every pass priced by the latency table
 
 
 class TorchRefEngine:
@@ -44,9 +46,15 @@ class TorchRefEngine:
 
     def __init__(self, device: str = "cpu", dtype: str = "float32", attn_implementation: str = "sdpa",
                  max_batch_size: int | None = None, threads: int | None = None, spec_policy: str = "fixed",
-                 spec_max_rows: int = 32, latency_table: str | None = None):
+                 spec_max_rows: int = 32, latency_table: str | None = None, seconds: str = "measured"):
         if dtype not in DTYPES:
             raise ValueError(f"engine.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if seconds not in SECONDS:
+            raise ValueError(f"engine.seconds must be one of {list(SECONDS)}, got {seconds!r}")
+        if seconds == "table" and latency_table is None:
+            raise ValueError("engine.seconds=table prices every pass by engine.latency_table: set it to auto or a "
+                             "CSV from python -m bench.latency profile")
+        self.seconds = seconds
         if threads is not None:  # process-wide: torch has one intra-op thread pool
             torch.set_num_threads(int(threads))
         self.device = torch.device(device)
@@ -60,10 +68,11 @@ class TorchRefEngine:
         self.last_iterations = 0
         self.last_iteration_log: list[dict] = []
         table = None
-        if spec_policy == "throughput_optimal" and latency_table not in (None, "auto"):
+        wants_table = spec_policy == "throughput_optimal" or seconds == "table"
+        if wants_table and latency_table not in (None, "auto"):
             from ..latency import LatencyTable
             table = LatencyTable.read(latency_table)
-        elif spec_policy == "throughput_optimal" and latency_table == "auto":
+        elif wants_table and latency_table == "auto":
             table = "auto"  # profiled at the first load (bench.engines.torch_timing), once a model exists
         self.policy = SpecPolicy(spec_policy, spec_max_rows, table)
 
@@ -205,7 +214,8 @@ class TorchRefEngine:
             return []
         for r in requests:
             self._check_prompt(r, sampling)
-        scheduler = Scheduler(TorchBackend(self), self.policy, self.max_batch_size)
+        prices = TablePrices(self.policy.table) if self.seconds == "table" else None
+        scheduler = Scheduler(TorchBackend(self), self.policy, self.max_batch_size, prices=prices)
         self.last_iterations = 0  # forward passes of this call (what steps.parquet records)
         self.last_iteration_log = scheduler.iteration_log
         steps = scheduler.run(requests, sampling, drafter, verify, run_ahead)

@@ -32,6 +32,8 @@ ENGINES: dict[str, tuple[Knob, ...]] = {
              "paper", "TLT / FastRL bs_threshold 32", lo=0),
         Knob("latency_table", "str", None, "throughput_optimal: auto (profiled once) or a CSV from "
              "bench.latency profile", nullable=True),
+        Knob("seconds", "str", "measured", "measured: the clock; table: every pass priced by latency_table and "
+             "nothing else timed (reproducible decisions, equal to bench.simulate)", choices=("measured", "table")),
     ),
     "vllm": (
         Knob("dtype", "str", "float32", "vLLM's dtype (float32 as torch_ref's default)",

@@ -13,7 +13,7 @@ exact, whatever drafted it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Mapping
 
 from methods.base import Draft, Drafter, Rollout, RolloutKey
 
@@ -49,15 +49,11 @@ def recorded_verdict(rec: Recorded, out_len: int, draft: Draft) -> Verdict:
     return Verdict(emitted, path, rec.logprobs[t:t + len(emitted)], [])
 
 
-# seconds of a forward pass of (rows, query tokens per row as padded, context mean); None: unpriced
-Pricer = Callable[[int, int, float], float]
-
-
 class RecordedBackend:
-    """Verifies against ``recorded[key]``; a pass costs what ``price`` says (0 without one)."""
+    """Verifies against ``recorded[key]``; a pass costs nothing (the scheduler's ``prices`` price it)."""
 
-    def __init__(self, recorded: Mapping[RolloutKey, Recorded], price: Pricer | None = None):
-        self.recorded, self.price = recorded, price
+    def __init__(self, recorded: Mapping[RolloutKey, Recorded]):
+        self.recorded = recorded
 
     def stops(self, sampling: SamplingConfig) -> set[int]:
         return set()  # a recorded rollout ends where it ended: its length is the row's limit
@@ -76,11 +72,7 @@ class RecordedBackend:
     def forward(self, rows: list[LiveRow], group: list[int], drafts: list[Draft], sampling: SamplingConfig,
                 verify: VerifyConfig) -> PassResult:
         verdicts = [recorded_verdict(rows[i].state, len(rows[i].output), d) for i, d in zip(group, drafts)]
-        seconds = 0.0
-        if self.price is not None:
-            width = max(len(rows[i].pending) + len(d) for i, d in zip(group, drafts))
-            seconds = self.price(len(group), width, sum(rows[i].context for i in group) / len(group))
-        return PassResult(verdicts, seconds, 0.0)
+        return PassResult(verdicts, 0.0, 0.0)
 
     def commit(self, rows: list[LiveRow], verdicts: list[Verdict]) -> None:
         pass

@@ -112,11 +112,17 @@ def policy_name(drafter: Drafter) -> str:
 class Scheduler:
     """Drives one rollout call of one drafter over a backend; ``run`` yields after every iteration.
 
-    ``iteration_log`` gets one dict per forward pass (what ``iterations.parquet`` stores)."""
+    ``iteration_log`` gets one dict per forward pass (what ``iterations.parquet`` stores).
+    ``prices`` (``bench.spec.prices.TablePrices``): every pass costs its table price and nothing
+    else does, on a virtual clock, instead of the seconds measured (see that module)."""
 
     def __init__(self, backend: Backend, policy: SpecPolicy, max_batch_size: int | None = None,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, prices=None):
+        if prices is not None:
+            from .prices import VirtualClock
+            clock = VirtualClock()
         self.backend, self.policy, self.max_batch_size, self.clock = backend, policy, max_batch_size, clock
+        self.prices = prices
         self.iteration_log: list[dict] = []
         self.iterations = 0
 
@@ -243,6 +249,10 @@ class Scheduler:
             for i, v in zip(group, result.verdicts):
                 verdicts[i] = v
             ctx = [contexts[i] for i in group]
+            if self.prices is not None:  # the table's price of this shape, and nothing for the verifier
+                result = PassResult(result.verdicts, self.prices(len(group), max(sizes[i] for i in group),
+                                                                 sum(ctx) / len(group)), 0.0)
+                self.clock.advance(result.forward_s)
             calls.append({"rows": len(group), "run_ahead_rows": sum(rows[i].request.run_ahead for i in group),
                           "query_tokens": sum(sizes[i] for i in group),
                           "block_tokens": len(group) * max(sizes[i] for i in group), "context_sum": sum(ctx),
