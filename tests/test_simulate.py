@@ -334,3 +334,32 @@ def test_the_simulator_cli_prints_and_writes_predictions(tmp_path, capsys):
     assert "Predicted (not measured)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="give HARDWARE:MODEL"):
         main([str(logs), "--method", "tree_cache", "--predict", "h200"])
+
+
+def test_throughput_optimal_is_simulated_by_one_targets_prices(tmp_path, capsys):
+    """The policy decides by the roofline of the one named GPU (or a table); zero or two targets
+    are refused, since each target would schedule differently."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for step in (1, 2):
+        STEP0.assign(prompt_token_ids=[[9, 9]] * len(STEP0)).to_parquet(logs / f"step_{step:05d}.parquet")
+    it = tmp_path / "it.parquet"
+    main([str(logs), "--method", "tree_cache", "--policy", "throughput_optimal", "--predict", "h200:llama-3.1-8b",
+          "--iterations-out", str(it)])
+    log = pd.read_parquet(it)
+    assert (log["forward_s"] > 0).all() and (log["drafter_s"] == 0).all()  # priced passes, nothing else timed
+    assert (log[log.method == "tree_cache"]["draft_budget"] != -1).all()  # the policy set every cap
+    for extra in ([], ["--predict", "h200:llama-3.1-8b", "--predict", "h100_sxm:qwen2.5-7b"]):
+        with pytest.raises(SystemExit, match="throughput_optimal"):
+            main([str(logs), "--method", "tree_cache", "--policy", "throughput_optimal", *extra])
+
+
+def test_a_roofline_read_as_a_table_is_the_roofline():
+    from bench.roofline import Hardware, ModelShape, RooflineTable, roofline_seconds
+    hw, model = Hardware.named("h200"), ModelShape.named("llama-3.1-8b")
+    table = RooflineTable(hw, model)
+    got = table.query_seconds(8, [1, 4], 512.0)
+    want = roofline_seconds(hw, model, [8, 32], [8 * 512.0] * 2, [8, 8]).tolist()
+    assert got == pytest.approx(want) and got[1] == got[0]  # 8 rows: memory-bound, 4 query tokens are free
+    plain, wide = table.query_seconds(256, [1, 64], 2048.0)
+    assert wide > 4 * plain  # 256 rows x 64 query tokens: compute-bound, drafting costs
