@@ -333,7 +333,7 @@ SIM_POLICIES = ("fixed", "batch_threshold", "throughput_optimal")
 def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str, list[int]],
              method_cfgs: Mapping[str, Any], max_new_tokens: int, progress: bool = False,
              policy: str = "fixed", spec_max_rows: int = 32, run_steps: Sequence[int] | None = None,
-             prices=None) -> pd.DataFrame:
+             prices=None, jobs: int = 1) -> pd.DataFrame:
     """Per-rollout rows (``ROW_COLUMNS``) of every method over the steps in increasing order.
 
     ``policy`` / ``spec_max_rows``: the engine's speculation policy (``engine.spec_policy``,
@@ -348,7 +348,9 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
     ``conf/method/<name>.yaml``) or a drafter instance (taken to be verified exactly). Each
     method gets a fresh drafter that lives across all steps. Beside each method's counters, the
     cache oracle's forward passes under ``cache_bound(drafter)`` (one oracle run per distinct
-    bound). ``rows.attrs["timings"]``: seconds per method and per cache oracle.
+    bound). ``rows.attrs["timings"]``: seconds per method and per cache oracle. ``jobs``: methods
+    simulated in that many processes at once (each method alone in its process, the results put
+    together in the order of ``method_cfgs``: the same frame as a serial run's).
     """
     if max_new_tokens < 1:
         raise SimulationError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -367,6 +369,11 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
     for name, cfg in method_cfgs.items():  # refuse before anything runs
         if not hasattr(cfg, "propose"):
             check_simulable(name, cfg)
+    if jobs < 1:
+        raise SimulationError(f"jobs must be >= 1, got {jobs}")
+    if jobs > 1 and len(method_cfgs) > 1:
+        return _in_processes(rollouts_by_step, prompts, method_cfgs, max_new_tokens, progress, jobs,
+                             dict(policy=policy, spec_max_rows=spec_max_rows, run_steps=run_steps, prices=prices))
     from tqdm.auto import tqdm
     oracles: dict[CacheBound, dict] = {}
     timings: dict[str, float] = {}
@@ -405,6 +412,31 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
     rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=list(ROW_COLUMNS))
     rows.attrs["timings"] = timings
     rows.attrs["iterations"] = pd.DataFrame(iterations)
+    return rows
+
+
+def _in_processes(rollouts_by_step, prompts, method_cfgs, max_new_tokens, progress, jobs, options) -> pd.DataFrame:
+    """``simulate`` with one method per worker process, ``jobs`` at a time, put back in method order."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from tqdm.auto import tqdm
+    methods = list(method_cfgs)
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    parts: dict[str, pd.DataFrame] = {}
+    with ProcessPoolExecutor(max_workers=min(jobs, len(methods)), mp_context=context) as pool:
+        futures = {pool.submit(simulate, rollouts_by_step, prompts, {name: method_cfgs[name]}, max_new_tokens,
+                               False, **options): name for name in methods}
+        for future in tqdm(as_completed(futures), total=len(futures), desc=f"simulate ({jobs} jobs)",
+                           disable=not progress):
+            parts[futures[future]] = future.result()
+    frames = [parts[name] for name in methods]
+    rows = pd.concat(frames, ignore_index=True)
+    timings: dict[str, float] = {}
+    for frame in frames:
+        timings.update(frame.attrs["timings"])
+    rows.attrs["timings"] = timings
+    rows.attrs["iterations"] = pd.concat([f.attrs["iterations"] for f in frames], ignore_index=True)
     return rows
 
 
@@ -603,6 +635,8 @@ def main(argv: list[str] | None = None) -> None:
                          "before them feed the drafters as finished rollouts, as the replay does) or a "
                          "comma-separated list")
     ap.add_argument("--iterations-out", type=Path, help="write the iteration log, one row per pass (.parquet)")
+    ap.add_argument("--jobs", type=int, default=1, help="methods simulated in this many processes at once "
+                                                       "(results identical to one process)")
     ap.add_argument("--predict", action="append", default=[], metavar="HARDWARE:MODEL",
                     help="price every pass through the roofline of conf/hardware x conf/model_shape, e.g. "
                          "h200:llama-3.1-8b (repeatable); adds the baseline if it is not simulated")
@@ -621,6 +655,8 @@ def main(argv: list[str] | None = None) -> None:
             check_simulable(n, c)
         run_steps = _parse_steps(args.steps, args.input, steps)
         prices = _policy_prices(args.policy, targets)
+        if args.jobs < 1:
+            raise SimulationError(f"--jobs {args.jobs}: give a number of processes >= 1")
     except SimulationError as exc:
         sys.exit(f"bench.simulate: {exc}")
     max_new = args.max_new_tokens or max_new or max(len(t) for df in steps.values() for t in df["token_ids"])
@@ -630,7 +666,7 @@ def main(argv: list[str] | None = None) -> None:
           f"max_new_tokens {max_new} (loaded in {time.perf_counter() - t0:.1f}s)")
     t0 = time.perf_counter()
     rows = simulate(steps, prompts, cfgs, max_new, progress=True, policy=args.policy,
-                    spec_max_rows=args.spec_max_rows, run_steps=run_steps, prices=prices)
+                    spec_max_rows=args.spec_max_rows, run_steps=run_steps, prices=prices, jobs=args.jobs)
     wall = time.perf_counter() - t0
     pd.set_option("display.width", 200)
     pd.set_option("display.max_columns", 30)

@@ -363,3 +363,16 @@ def test_a_roofline_read_as_a_table_is_the_roofline():
     assert got == pytest.approx(want) and got[1] == got[0]  # 8 rows: memory-bound, 4 query tokens are free
     plain, wide = table.query_seconds(256, [1, 64], 2048.0)
     assert wide > 4 * plain  # 256 rows x 64 query tokens: compute-bound, drafting costs
+
+
+def test_methods_in_processes_give_the_serial_result():
+    steps, prompts = synthetic_log(steps=2, prompts=3, samples=4, max_len=256, median_len=96, vocab=5000)
+    cfgs = {n: method_config(n) for n in ("baseline", "tree_cache", "history_spec", "seer")}
+    serial = simulate(steps, prompts, cfgs, max_new_tokens=256, policy="batch_threshold", spec_max_rows=6)
+    spread = simulate(steps, prompts, cfgs, max_new_tokens=256, policy="batch_threshold", spec_max_rows=6, jobs=2)
+    pd.testing.assert_frame_equal(serial, spread)
+    shape = [c for c in serial.attrs["iterations"] if not c.endswith("_s")]  # seconds are measured
+    pd.testing.assert_frame_equal(serial.attrs["iterations"][shape], spread.attrs["iterations"][shape])
+    assert set(spread.attrs["timings"]) >= set(cfgs)
+    with pytest.raises(SimulationError, match="jobs must be >= 1"):
+        simulate(steps, prompts, cfgs, max_new_tokens=256, jobs=0)
