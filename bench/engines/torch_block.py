@@ -7,7 +7,7 @@ the KV of each row's accepted path.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,7 +19,7 @@ from ..verify import Verdict, VerifyConfig, verify_nodes
 from .base import Request
 from .kv_slots import SlotKVCache
 
-MASK_BYTES = 64 << 20  # a pass's attention mask above this (rows x queries x context) runs in query chunks
+MASK_BYTES = 64 << 20  # a pass's attention mask above this (rows x queries x context) runs in tiles (_tile)
 
 
 class TorchBackend:
@@ -54,7 +54,7 @@ class TorchBackend:
             subset = None if len(group) == len(rows) else torch.tensor(group, device=eng.device)
             self._subset = subset
             cache.set_block(block.write_index, block.view_len, subset)
-            if block.mask is None:  # a long chain block: its queries in chunks, each with its own mask
+            if block.mask is None:  # a long chain block: in tiles of rows x queries, each with its own mask
                 logits_at, head_s = self._chunked(block)
             else:
                 logits_at, head_s = eng._node_logits(block, cache)
@@ -77,27 +77,57 @@ class TorchBackend:
             return 0
         return max(1, min(q, MASK_BYTES // (len(rows) * view * itemsize)))
 
+    def _tile(self, rows: int, view: int) -> tuple[int, int]:
+        """Rows and queries of one model call of a chunked block. Queries: the tile's mask within
+        ``MASK_BYTES`` (as many tokens per call as a query chunk of every row). Rows: with
+        grouped-query attention transformers' sdpa copies the K/V a tile reads once per query head
+        (``repeat_kv``: heads / kv heads times the layer's KV of the tile's rows, 7x for Qwen2.5),
+        so a tile of rows / (2 x that ratio) rows copies at most half of one layer's KV; a model with
+        one KV head per query head keeps whole rows (its K/V are views of the cache, no copy)."""
+        cfg = self.engine.model.config
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        heads = int(getattr(cfg, "num_attention_heads", 1) or 1)
+        groups = heads // int(getattr(cfg, "num_key_value_heads", None) or heads)
+        tile_rows = rows if groups <= 1 else max(1, rows // (2 * groups))
+        itemsize = torch.finfo(self.engine.dtype).bits // 8
+        return tile_rows, max(1, MASK_BYTES // (tile_rows * view * itemsize))
+
     def _chunked(self, block: "Block"):
-        """The base model over a block's queries ``chunk`` at a time: each chunk writes its keys and
-        values and reads every slot before it, so the result is the one-pass result (up to floating
-        point) with a mask of rows x chunk x context instead of rows x queries x context."""
+        """The base model over a block in tiles of rows x queries (``_tile``): each call writes its
+        keys and values and reads every slot of its rows before it, so the result is the one-pass
+        result (up to floating point) with a mask and K/V copies of one tile, not of the block. The
+        hidden states of the kept positions (the verifier's, the last ``block.keep``) are written
+        into one buffer; nothing else of a tile outlives it."""
         eng, cache = self.engine, self.cache
         B, q = block.input_ids.shape
-        chunk = max(1, MASK_BYTES // (B * block.view_len * (torch.finfo(eng.dtype).bits // 8)))
+        tile_rows, chunk = self._tile(B, block.view_len)
+        device = block.write_index.device
         real = block.write_index != block.trash
-        cols = torch.arange(block.view_len, device=block.write_index.device)
-        hidden = []
-        for a in range(0, q, chunk):
-            slot, ok = block.write_index[:, a:a + chunk], real[:, a:a + chunk]
-            view = int(slot[ok].max()) + 1 if bool(ok.any()) else 1
-            allowed = (cols[None, None, :view] <= slot[:, :, None]) & ok[:, :, None]
-            allowed[:, :, 0] |= ~ok  # padding queries look at slot 0 only (never an empty softmax)
-            cache.set_block(slot, view, self._subset)
-            hidden.append(eng._base(input_ids=block.input_ids[:, a:a + chunk],
-                                    position_ids=block.position_ids[:, a:a + chunk],
-                                    attention_mask=_additive(allowed, eng.dtype), use_cache=True,
-                                    **{eng._base_cache_kw: cache}).last_hidden_state)
-        return eng._head_at(block, torch.cat(hidden, 1), [0.0])
+        cols = torch.arange(block.view_len, device=device)
+        every = self._subset if self._subset is not None else torch.arange(B, device=device)
+        first = q - block.keep  # block index of the first kept position
+        hidden = None
+        for b in range(0, B, tile_rows):
+            rows = slice(b, b + tile_rows)
+            subset = self._subset if tile_rows >= B else every[rows]
+            for a in range(0, q, chunk):
+                slot, ok = block.write_index[rows, a:a + chunk], real[rows, a:a + chunk]
+                view = int(slot[ok].max()) + 1 if bool(ok.any()) else 1
+                allowed = (cols[None, None, :view] <= slot[:, :, None]) & ok[:, :, None]
+                allowed[:, :, 0] |= ~ok  # padding queries look at slot 0 only (never an empty softmax)
+                cache.set_block(slot, view, subset)
+                out = eng._base(input_ids=block.input_ids[rows, a:a + chunk],
+                                position_ids=block.position_ids[rows, a:a + chunk],
+                                attention_mask=_additive(allowed, eng.dtype), use_cache=True,
+                                **{eng._base_cache_kw: cache}).last_hidden_state
+                end = a + out.shape[1]
+                if end > first:
+                    if hidden is None:
+                        hidden = out.new_empty(B, block.keep, out.shape[-1])
+                    start = max(a, first)
+                    hidden[rows, start - first:end - first] = out[:, start - a:]
+                del out
+        return eng._head_at(replace(block, root_index=block.root_index - first), hidden, [0.0])
 
     def commit(self, rows: list[LiveRow], verdicts: list[Verdict]) -> None:
         """Move each row's accepted path (tree nodes off the first branch) into consecutive slots."""
