@@ -97,6 +97,15 @@ class LatencyTable:
         return np.exp(out)
 
 
+    def beyond(self, rows, query, context, factor: float = 1.5) -> np.ndarray:
+        """Which shapes lie more than ``factor`` past the grid's largest point on some axis: their
+        seconds are extrapolated (a 640-token first draft on a table that stops at 25 query tokens
+        was priced 13x what it measured, results/LOG.md)."""
+        out = np.zeros(len(np.asarray(rows)), dtype=bool)
+        for values, axis in zip((rows, query, context), self.axes):
+            out |= np.asarray(values, dtype=float) > factor * float(axis[-1])
+        return out
+
     def query_seconds(self, rows: float, queries: Sequence[float], context: float) -> list[float]:
         """``seconds`` for one (rows, context) and many query widths: the same numbers in a few
         scalar steps (the speculation policy asks this twice per engine iteration)."""
@@ -222,11 +231,15 @@ def predict_iterations(it: pd.DataFrame, table: LatencyTable | None = None, hard
     host_s = it[list(host_columns)].sum(axis=1) if host == "measured" else 0.0
     label += "" if host == "measured" else ", forward passes only"
     it = it.assign(predicted_forward_s=forward, predicted_host_s=host_s, predicted_s=forward + host_s)
+    beyond = table.beyond(it["rows"], it["block_tokens"] / it["rows"], it["context_sum"] / it["rows"]) \
+        if table is not None else np.zeros(len(it), dtype=bool)
+    it = it.assign(extrapolated_s=np.where(beyond, forward, 0.0))
     it = it.assign(predicted_tail_s=it["predicted_s"].where(it["live_rows"] <= TAIL_ROWS, 0.0))
     per = it.groupby(["step", "method"], as_index=False)[
-        ["predicted_forward_s", "predicted_host_s", "predicted_s", "predicted_tail_s"]].sum()
+        ["predicted_forward_s", "predicted_host_s", "predicted_s", "predicted_tail_s", "extrapolated_s"]].sum()
     per["predicted_tail_share"] = per["predicted_tail_s"] / per["predicted_s"]
-    per = per.drop(columns="predicted_tail_s")
+    per["extrapolated_share"] = per["extrapolated_s"] / per["predicted_forward_s"]  # priced off the table's grid
+    per = per.drop(columns=["predicted_tail_s", "extrapolated_s"])
     base = per[per["method"] == "baseline"].set_index("step")
     per["predicted_speedup"] = per["step"].map(base["predicted_s"]) / per["predicted_s"]
     per.insert(0, "target", label)
@@ -249,6 +262,20 @@ def prediction_error(summary: pd.DataFrame) -> float:
     return float(err.median()) if len(err) else math.nan
 
 
+def extrapolation_note(per_step: pd.DataFrame, limit: float = 0.1) -> str:
+    """A warning line when more than ``limit`` of some method's predicted forward seconds were priced
+    off the table's grid ('' otherwise)."""
+    if "extrapolated_share" not in per_step:
+        return ""
+    share = per_step.groupby("method")["extrapolated_share"].mean()
+    bad = share[share > limit]
+    if bad.empty:
+        return ""
+    worst = ", ".join(f"{m} {v:.0%}" for m, v in bad.sort_values(ascending=False).items())
+    return (f"warning: forward seconds priced beyond the latency table's grid (extrapolated): {worst}; profile "
+            f"wider shapes (python -m bench.latency profile --query ... --context ...)")
+
+
 def prediction_report(run_dir: Path, targets: Sequence[dict]) -> tuple[str, pd.DataFrame]:
     """The printed section 'predicted speedups' for each target {hardware, model} or {table}."""
     from .collect import to_markdown
@@ -259,14 +286,16 @@ def prediction_report(run_dir: Path, targets: Sequence[dict]) -> tuple[str, pd.D
         else:
             frames.append(predict(run_dir, hardware=Hardware.named(t["hardware"]),
                                   model=ModelShape.named(t["model"]), host=t.get("host", "measured")))
-    summary = summarize_prediction(pd.concat(frames, ignore_index=True))
+    per_step = pd.concat(frames, ignore_index=True)
+    summary = summarize_prediction(per_step)
     wide = summary.pivot(index="method", columns="target", values="predicted_speedup")
     wide.columns = [f"predicted speedup · {c}" for c in wide.columns]
     measured = summary.drop_duplicates("method").set_index("method")["measured_speedup"]
     wide.insert(0, "measured speedup (this machine)", measured)
     text = ("## Predicted speedups (not measured: the run's forward-pass shapes through a roofline; "
             "host-side drafter and verifier seconds as measured here)\n\n" + to_markdown(wide.reset_index()))
-    return text, summary
+    note = extrapolation_note(per_step)
+    return text + (f"\n{note}" if note else ""), summary
 
 
 def prediction_figure(summary: pd.DataFrame, out: Path) -> Path:
@@ -356,6 +385,9 @@ def _run(args: argparse.Namespace) -> None:
             print(f"PREDICTED ({per['target'].iloc[0]}), measured beside it:\n")
             print(to_markdown(summary.drop(columns=["target"])))
             print(f"median |predicted - measured| / measured speedup: {prediction_error(summary):.3f}")
+            note = extrapolation_note(per)
+            if note:
+                print(note)
             if args.out:
                 per.to_csv(args.out, index=False)
                 print(f"wrote {args.out}")

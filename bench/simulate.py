@@ -753,6 +753,10 @@ def _print_predictions(predicted: pd.DataFrame) -> None:
     print("\nPredicted (not measured): the simulated schedule's passes priced per target, plus the drafter's "
           "seconds measured here")
     print(g.to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    from .latency import extrapolation_note
+    note = extrapolation_note(predicted)
+    if note:
+        print(note)
 
 
 def _parse_steps(value: str, path: Path, steps: Mapping[int, pd.DataFrame]) -> list[int] | None:

@@ -1,0 +1,44 @@
+"""bench.sim_validate: a run's measured speedups beside the simulator's priced schedule of its steps."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from bench.sim_validate import host_model, main, summary, validate, verify_per_token
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_host_model_is_fitted_on_the_baseline_alone():
+    rows = [{"method": "baseline", "step": 0, "iteration": i, "call": 0, "live_rows": r,
+             "verify_s": 1e-4 * r, "other_s": 1e-3} for i, r in enumerate([8, 8, 6, 4, 2, 1])]
+    rows += [{"method": "tree_cache", "step": 0, "iteration": i, "call": 0, "live_rows": 8, "verify_s": 1.0,
+              "other_s": 1.0} for i in range(4)]  # a method's seconds never enter the fit
+    a, b = host_model(pd.DataFrame(rows))
+    assert a == pytest.approx(1e-3, rel=1e-6) and b == pytest.approx(1e-4, rel=1e-6)
+
+
+def test_the_verifier_costs_something_per_accepted_token():
+    assert 0 < verify_per_token(vocab=145, tokens=16, repeats=3) < 1e-2
+
+
+@pytest.mark.slow
+def test_a_replay_and_its_simulation_priced(tmp_path):
+    from test_scheduler import gpu_like_table
+    done = subprocess.run([sys.executable, "-m", "bench.cli", "trace=countdown_tiny", "method=[baseline,tree_cache]",
+                           "max_steps=2", "plots=false", "progress=false", "predict=[]", "run_id=val",
+                           f"results_root={tmp_path / 'runs'}"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    gpu_like_table(tmp_path / "table.csv")
+    per = validate(tmp_path / "runs" / "val", tmp_path / "table.csv")
+    assert sorted(set(per["method"])) == ["baseline", "tree_cache"] and len(per) == 4
+    base = per[per["method"] == "baseline"]
+    assert (base["measured_speedup"] == 1).all() and (base["predicted_speedup"] == 1).all()
+    assert per["error"].notna().all() and (per["predicted_s"] > 0).all()
+    assert list(summary(per)["method"]) == ["baseline", "tree_cache"]
+    with pytest.raises(SystemExit):  # a hand-made table does not price this CPU within 10%: exit status 1
+        main([str(tmp_path / "runs" / "val"), "--table", str(tmp_path / "table.csv"), "--tolerance", "0"])
