@@ -209,6 +209,18 @@ def predict(run_dir: str | Path, table: LatencyTable | None = None, hardware: Ha
     return per
 
 
+def pass_seconds(it: pd.DataFrame, table: LatencyTable | None = None, hardware: Hardware | None = None,
+                 model: ModelShape | None = None) -> tuple[np.ndarray, str]:
+    """Each pass's predicted forward seconds and the target's label: through ``table`` at (rows,
+    padded query per row, mean context), or the roofline of ``hardware`` x ``model`` at its real
+    query tokens and context."""
+    if table is not None:
+        return (np.asarray(table.seconds(it["rows"], it["block_tokens"] / it["rows"], it["context_sum"] / it["rows"])),
+                f"table {table.label}")
+    return (np.asarray(roofline_seconds(hardware, model, it["query_tokens"], it["context_sum"], it["rows"])),
+            f"roofline {hardware.name} x {model.name}")
+
+
 def predict_iterations(it: pd.DataFrame, table: LatencyTable | None = None, hardware: Hardware | None = None,
                        model: ModelShape | None = None, host: str = "measured",
                        host_columns: Sequence[str] = ("drafter_s", "verify_s", "other_s")) -> pd.DataFrame:
@@ -222,12 +234,7 @@ def predict_iterations(it: pd.DataFrame, table: LatencyTable | None = None, hard
     if host not in ("measured", "none"):
         raise UserError(f"host={host!r}: choose measured or none")
     it = it[it["rows"] > 0]
-    if table is not None:
-        forward = table.seconds(it["rows"], it["block_tokens"] / it["rows"], it["context_sum"] / it["rows"])
-        label = f"table {table.label}"
-    else:
-        forward = roofline_seconds(hardware, model, it["query_tokens"], it["context_sum"], it["rows"])
-        label = f"roofline {hardware.name} x {model.name}"
+    forward, label = pass_seconds(it, table, hardware, model)
     host_s = it[list(host_columns)].sum(axis=1) if host == "measured" else 0.0
     label += "" if host == "measured" else ", forward passes only"
     it = it.assign(predicted_forward_s=forward, predicted_host_s=host_s, predicted_s=forward + host_s)

@@ -635,6 +635,8 @@ def main(argv: list[str] | None = None) -> None:
                          "before them feed the drafters as finished rollouts, as the replay does) or a "
                          "comma-separated list")
     ap.add_argument("--iterations-out", type=Path, help="write the iteration log, one row per pass (.parquet)")
+    ap.add_argument("--figures", type=Path, help="with --predict/--table: draw the predicted speedups and a step's "
+                                                 "live rows over predicted time into this folder")
     ap.add_argument("--jobs", type=int, default=1, help="methods simulated in this many processes at once "
                                                        "(results identical to one process)")
     ap.add_argument("--predict", action="append", default=[], metavar="HARDWARE:MODEL",
@@ -657,6 +659,8 @@ def main(argv: list[str] | None = None) -> None:
         prices = _policy_prices(args.policy, targets)
         if args.jobs < 1:
             raise SimulationError(f"--jobs {args.jobs}: give a number of processes >= 1")
+        if args.figures and not targets:
+            raise SimulationError("--figures draws predictions: give --predict HARDWARE:MODEL or --table CSV")
     except SimulationError as exc:
         sys.exit(f"bench.simulate: {exc}")
     max_new = args.max_new_tokens or max_new or max(len(t) for df in steps.values() for t in df["token_ids"])
@@ -677,6 +681,10 @@ def main(argv: list[str] | None = None) -> None:
         predicted = predictions(rows.attrs["iterations"], targets)
         _print_predictions(predicted)
         per_step = per_step.merge(_wide(predicted), on=["method", "step"], how="left")
+        if args.figures:
+            from .sim_figures import write_figures
+            paths = write_figures(rows.attrs["iterations"], predicted, targets, args.figures)
+            print(f"{len(paths)} figures in {args.figures}")
     if args.per_step:
         print(per_step[["step", *SHOW]].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     print(textwrap.fill(LEGEND, 110))

@@ -376,3 +376,16 @@ def test_methods_in_processes_give_the_serial_result():
     assert set(spread.attrs["timings"]) >= set(cfgs)
     with pytest.raises(SimulationError, match="jobs must be >= 1"):
         simulate(steps, prompts, cfgs, max_new_tokens=256, jobs=0)
+
+
+def test_the_simulator_draws_its_predictions(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for step in (1, 2):
+        STEP0.assign(prompt_token_ids=[[9, 9]] * len(STEP0)).to_parquet(logs / f"step_{step:05d}.parquet")
+    main([str(logs), "--method", "tree_cache", "--predict", "h200:llama-3.1-8b", "--figures", str(tmp_path / "f")])
+    names = sorted(p.name for p in (tmp_path / "f").iterdir())
+    assert names == ["live_rows__h200-x-llama-3.1-8b.png", "predicted_speedup.png"]
+    assert all((tmp_path / "f" / n).stat().st_size > 10_000 for n in names)
+    with pytest.raises(SystemExit, match="--figures draws predictions"):
+        main([str(logs), "--method", "tree_cache", "--figures", str(tmp_path / "g")])
