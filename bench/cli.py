@@ -27,6 +27,9 @@ from .verify import VerifyConfig
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 # keys that change where or how verbosely a run is written, not what it measures
 NOT_IDENTITY = ("run_id", "results_root", "figures_root", "progress", "plots", "predict")
+# arguments that compose from other config files than conf/ (the schemas' checks leave those to Hydra)
+OTHER_CONFIGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn", "hydra.searchpath",
+                 "+hydra.searchpath")
 
 
 def load_trace(cfg: DictConfig):
@@ -73,9 +76,12 @@ def _group_options() -> dict[str, set[str]]:
 
 
 def _choices(args: list[str], group: str) -> list[str]:
-    """The options ``args`` select in a config group (``method=[a,b]``, ``engine=vllm``), in order."""
+    """The options ``args`` select in a config group (``method=[a,b]``, ``-m method=a,b``,
+    ``method=glob(*)``), in order, as names of conf/GROUP/."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep, Glob
     parser, out = OverridesParser.create(), []
+    options = sorted(_group_options().get(group, ()))
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
@@ -83,10 +89,20 @@ def _choices(args: list[str], group: str) -> list[str]:
             override = parser.parse_overrides([arg])[0]
         except Exception:
             continue
-        if override.key_or_group == group and not override.is_delete():
-            value = override.value()
-            out += [str(v) for v in (value if isinstance(value, list) else [value])]
-    return out
+        if override.key_or_group != group or override.is_delete():
+            continue
+        todo = [override.value()]
+        while todo:
+            item = todo.pop(0)
+            if isinstance(item, Glob):
+                out += item.filter(options)
+            elif isinstance(item, ChoiceSweep):
+                todo = list(item.list) + todo
+            elif isinstance(item, (list, tuple)):
+                todo = list(item) + todo
+            else:
+                out.append(str(item))
+    return list(dict.fromkeys(out))
 
 
 def print_listing(args: list[str]) -> bool:
@@ -101,10 +117,16 @@ def print_listing(args: list[str]) -> bool:
     if "--knobs" not in args:
         return False
     methods, engines = _choices(args, "method"), _choices(args, "engine")
+    groups = _group_options()
     for name, known, group in [*((m, METHODS, "method") for m in methods), *((e, ENGINES, "engine") for e in engines)]:
-        if name not in known:
-            raise UserError(f"{group}={name}: no {group} of that name; choose from {', '.join(known)}")
-    print(knobs_text(methods, engines), end="")
+        if name not in groups.get(group, ()) and name not in known:
+            raise UserError(f"{group}={name}: no {group} of that name; choose from {', '.join(sorted(groups[group]))}")
+    unschemed = [n for n in methods if n not in METHODS] + [n for n in engines if n not in ENGINES]
+    methods, engines = [m for m in methods if m in METHODS], [e for e in engines if e in ENGINES]
+    if methods or engines or not unschemed:
+        print(knobs_text(methods, engines), end="")
+    for name in unschemed:
+        print(f"({name}: a config without a schema in bench/knobs/; its constructor checks its own knobs)")
     return True
 
 
@@ -112,7 +134,7 @@ def check_overrides(args: list[str]) -> None:
     """Refuse a config-group option that does not exist (``method=nope``) with one line, before
     Hydra composes the config (its own message spans a screen). Anything this cannot parse, and
     any command that adds config search paths, is left to Hydra."""
-    if any(a.startswith(("--config-dir", "-cd", "hydra.searchpath", "+hydra.searchpath")) for a in args):
+    if any(a.startswith(OTHER_CONFIGS) for a in args):
         return
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ChoiceSweep
@@ -408,12 +430,12 @@ def hydra_entry(hydra_main, config_name: str = "bench", check=check_job) -> None
         if print_listing(sys.argv[1:]):
             return
         check_overrides(sys.argv[1:])
-        from .knobs.check import check_override_keys
-        if not any(a.startswith(("--config-dir", "-cd", "hydra.searchpath", "+hydra.searchpath")) for a in sys.argv):
-            check_override_keys(sys.argv[1:], top_level=config_name == "bench")  # other configs: Hydra's check
-        if {"-m", "--multirun"} & set(sys.argv[1:]):
-            from .knobs.sweep import validate_sweep
-            validate_sweep(CONF_DIR, config_name, sys.argv[1:], check)
+        if not any(a.startswith(OTHER_CONFIGS) for a in sys.argv[1:]):  # other configs: Hydra's checks alone
+            from .knobs.check import check_override_keys
+            check_override_keys(sys.argv[1:], top_level=config_name == "bench")
+            if {"-m", "--multirun"} & set(sys.argv[1:]):
+                from .knobs.sweep import validate_sweep
+                validate_sweep(CONF_DIR, config_name, sys.argv[1:], check)
     except UserError as exc:
         exit_on_user_error(exc)
     hydra_main()

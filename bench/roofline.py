@@ -112,9 +112,10 @@ def roofline_seconds(hw: Hardware, model: ModelShape, query_tokens, context_sum,
 
 class RooflineTable:
     """A roofline read as a latency table (``query_seconds``, ``seconds``), so the speculation policy
-    and ``bench.spec.prices.TablePrices`` can decide and price by a named GPU without a measured
-    table: a pass of ``rows`` rows padded to a query width costs ``roofline_seconds`` of
-    rows x width query tokens (the block as torch_ref runs it) at the rows' mean context."""
+    can decide by a named GPU without a measured table: a pass of ``rows`` rows padded to a query
+    width costs ``roofline_seconds`` of rows x width query tokens at the rows' mean context (the
+    policy thinks in widths). ``price``, what ``bench.spec.prices.TablePrices`` charges a pass, counts
+    its real query tokens instead, as the predictions do."""
 
     def __init__(self, hardware: Hardware, model: ModelShape):
         self.hardware, self.model = hardware, model
@@ -127,6 +128,11 @@ class RooflineTable:
     def query_seconds(self, rows: float, queries, context: float) -> list[float]:
         n = len(queries)
         return self.seconds([rows] * n, list(queries), [context] * n).tolist()
+
+    def price(self, rows: int, width: int, context: float, query_tokens: int) -> float:
+        """One pass as ``bench.latency.pass_seconds`` prices it: its real query tokens (a GPU engine
+        packs ragged rows), not ``rows`` x ``width``."""
+        return float(roofline_seconds(self.hardware, self.model, [query_tokens], [rows * context], [rows])[0])
 
 
 def _names(group: str) -> list[str]:

@@ -39,11 +39,13 @@ def host_model(iterations: pd.DataFrame) -> tuple[float, float]:
     return max(float(a), 0.0), max(float(b), 0.0)
 
 
-def verify_per_token(vocab: int, tokens: int = 64, repeats: int = 20) -> float:
+def verify_per_token(vocab: int, sampling=None, tokens: int = 64, repeats: int = 20) -> float:
     """Seconds the verifier spends per accepted draft token beyond a plain row, timed here on random
-    logits of the model's vocabulary with a draft it accepts whole (the verifier reads the nodes of
-    a chain until its first rejection, so its cost follows the accepted tokens)."""
+    logits of the model's vocabulary under the run's sampling and the exact rule, with a draft it
+    accepts whole (the verifier reads a chain's nodes until its first rejection, so its cost follows
+    the accepted tokens): the draft is the coupled samples themselves, found one verification at a time."""
     import time
+    from dataclasses import replace
 
     import torch
 
@@ -51,16 +53,22 @@ def verify_per_token(vocab: int, tokens: int = 64, repeats: int = 20) -> float:
 
     from .sampling import SamplingConfig
     from .verify import VerifyConfig, verify_nodes
-    sampling = SamplingConfig(temperature=0.0, max_new_tokens=tokens + 1)
+    sampling = replace(sampling or SamplingConfig(), max_new_tokens=tokens + 1)
     keys = torch.zeros(1, dtype=torch.int64)
     logits = torch.randn(1, tokens + 1, vocab)
 
+    def verify(draft: list[int]):
+        return verify_nodes(lambda b, j: logits[b, j], vocab, [Draft(token_ids=draft)], keys, [0], sampling,
+                            VerifyConfig())[0]
+    draft: list[int] = []
+    for _ in range(tokens):  # every node accepted: the next token is the one the rule samples there
+        draft.append(verify(draft).emitted[-1])
+
     def run(k: int) -> float:
-        draft = [Draft(token_ids=logits[0, :k].argmax(-1).tolist())]  # greedy: every node accepted
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            verify_nodes(lambda b, j: logits[b, j], vocab, draft, keys, [0], sampling, VerifyConfig(rule="greedy"))
+            verify(draft[:k])
             best = min(best, time.perf_counter() - t0)
         return best
     return max(run(tokens) - run(0), 0.0) / tokens
@@ -70,26 +78,42 @@ def validate(run_dir: Path, table_path: Path, jobs: int = 1) -> pd.DataFrame:
     """Per (step, method): measured and predicted speedup and the relative error."""
     from .latency import LatencyTable, predict_iterations
     from .results import load_iterations, load_run
-    from .simulate import load_input, method_config, simulate
+    from .simulate import load_input, simulate
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     _, _, _, steps = load_run(run_dir)
     eng_it = load_iterations(run_dir)
     table = LatencyTable.read(table_path)
+    from omegaconf import OmegaConf
+
     from .simulate import SimulationError, check_simulable
-    methods = []
-    for m in dict.fromkeys(steps["method"]):  # the lossy rule and run-ahead cannot be simulated: left out
+    engine = config["engine"]
+    policy = engine.get("spec_policy", "fixed")
+    if engine.get("name") != "torch_ref" or engine.get("max_batch_size") is not None:
+        raise UserError(f"{run_dir}: the simulator mirrors torch_ref with the whole step live (max_batch_size "
+                        f"null); this run has engine {engine.get('name')}, max_batch_size {engine.get('max_batch_size')}")
+    if policy == "throughput_optimal":
+        raise UserError(f"{run_dir}: throughput_optimal read this run's clock, which the simulator cannot replay; "
+                        f"validate a fixed or batch_threshold run")
+    cfgs, skipped = {}, []
+    for m in dict.fromkeys(steps["method"]):  # the run's own method configs, its knobs included
+        cfg = OmegaConf.create(config["method"][m])
         try:
-            check_simulable(m, method_config(m))
-            methods.append(m)
-        except SimulationError:
-            pass
+            check_simulable(m, cfg)
+            cfgs[m] = cfg
+        except SimulationError:  # the lossy rule and run-ahead cannot be simulated
+            skipped.append(m)
+    if "baseline" not in cfgs:
+        raise UserError(f"{run_dir}: no baseline in this run: speedups need one")
+    methods = list(cfgs)
     recorded, prompts, max_new = load_input(config["trace"]["path"])
     max_new = config["sampling"]["max_new_tokens"]
-    rows = simulate(recorded, prompts, {m: method_config(m) for m in methods}, max_new,
+    rows = simulate(recorded, prompts, cfgs, max_new, policy=policy, spec_max_rows=int(engine.get("spec_max_rows", 32)),
                     run_steps=sorted(set(steps["step"])), jobs=jobs)
     it = rows.attrs["iterations"]
     a, b = host_model(eng_it)
-    per_token = verify_per_token(_vocab(config))
+    from .sampling import SamplingConfig
+    per_token = verify_per_token(_vocab(config), SamplingConfig(**{k: v for k, v in config["sampling"].items()
+                                                                   if k != "n"}))
     it = it.assign(host_model_s=np.where(it["call"] == 0, a + b * it["live_rows"], 0.0)
                    + per_token * it["accepted_tokens"])
     pred = predict_iterations(it, table, host_columns=("drafter_s", "host_model_s"))
@@ -98,7 +122,7 @@ def validate(run_dir: Path, table_path: Path, jobs: int = 1) -> pd.DataFrame:
     base = out[out["method"] == "baseline"].set_index("step")["wall_s"]
     out["measured_speedup"] = out["step"].map(base) / out["wall_s"]
     out["error"] = (out["predicted_speedup"] - out["measured_speedup"]).abs() / out["measured_speedup"]
-    out.attrs.update(host_a=a, host_b=b, verify_per_token=per_token)
+    out.attrs.update(host_a=a, host_b=b, verify_per_token=per_token, skipped=skipped)
     return out
 
 
@@ -133,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"host model from the baseline: {per.attrs['host_a'] * 1e3:.3f} ms + {per.attrs['host_b'] * 1e6:.2f} us"
               f" x live rows an iteration; verifier {per.attrs['verify_per_token'] * 1e6:.2f} us an accepted token")
         print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        if per.attrs["skipped"]:
+            print(f"not simulable, left out: {', '.join(per.attrs['skipped'])} (the lossy rule, run-ahead)")
         from .latency import extrapolation_note
         note = extrapolation_note(per)
         if note:

@@ -415,21 +415,38 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
     return rows
 
 
+_SHARED: tuple = ()  # (rollouts_by_step, prompts) for forked workers: inherited, never pickled per task
+
+
+def _one_method(name, cfg, max_new_tokens, options) -> pd.DataFrame:
+    rollouts_by_step, prompts = _SHARED
+    return simulate(rollouts_by_step, prompts, {name: cfg}, max_new_tokens, False, **options)
+
+
 def _in_processes(rollouts_by_step, prompts, method_cfgs, max_new_tokens, progress, jobs, options) -> pd.DataFrame:
-    """``simulate`` with one method per worker process, ``jobs`` at a time, put back in method order."""
+    """``simulate`` with one method per worker process, ``jobs`` at a time, put back in method order.
+    Workers are forked where the platform allows, so the recorded rollouts are shared, not copied per
+    task; a method's drafter seconds are measured under the others' load."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from tqdm.auto import tqdm
+    global _SHARED
     methods = list(method_cfgs)
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    fork = "fork" in multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if fork else "spawn")
     parts: dict[str, pd.DataFrame] = {}
-    with ProcessPoolExecutor(max_workers=min(jobs, len(methods)), mp_context=context) as pool:
-        futures = {pool.submit(simulate, rollouts_by_step, prompts, {name: method_cfgs[name]}, max_new_tokens,
-                               False, **options): name for name in methods}
-        for future in tqdm(as_completed(futures), total=len(futures), desc=f"simulate ({jobs} jobs)",
-                           disable=not progress):
-            parts[futures[future]] = future.result()
+    _SHARED = (rollouts_by_step, prompts)
+    try:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(methods)), mp_context=context,
+                                 initializer=None if fork else _share, initargs=() if fork else _SHARED) as pool:
+            futures = {pool.submit(_one_method, name, method_cfgs[name], max_new_tokens, options): name
+                       for name in methods}
+            for future in tqdm(as_completed(futures), total=len(futures), desc=f"simulate ({jobs} jobs)",
+                               disable=not progress):
+                parts[futures[future]] = future.result()
+    finally:
+        _SHARED = ()
     frames = [parts[name] for name in methods]
     rows = pd.concat(frames, ignore_index=True)
     timings: dict[str, float] = {}
@@ -438,6 +455,12 @@ def _in_processes(rollouts_by_step, prompts, method_cfgs, max_new_tokens, progre
     rows.attrs["timings"] = timings
     rows.attrs["iterations"] = pd.concat([f.attrs["iterations"] for f in frames], ignore_index=True)
     return rows
+
+
+def _share(rollouts_by_step, prompts) -> None:
+    """A spawned worker's copy of the data (where fork is not available)."""
+    global _SHARED
+    _SHARED = (rollouts_by_step, prompts)
 
 
 def summarize(rows: pd.DataFrame, per_step: bool = False) -> pd.DataFrame:
@@ -680,6 +703,9 @@ def main(argv: list[str] | None = None) -> None:
     if targets:
         predicted = predictions(rows.attrs["iterations"], targets)
         _print_predictions(predicted)
+        if prices is not None:
+            print("(the policy's schedule was priced on a virtual clock: its drafter seconds are not timed, so these "
+                  "predictions are forward passes only)")
         per_step = per_step.merge(_wide(predicted), on=["method", "step"], how="left")
         if args.figures:
             from .sim_figures import write_figures

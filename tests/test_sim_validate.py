@@ -23,7 +23,8 @@ def test_host_model_is_fitted_on_the_baseline_alone():
 
 
 def test_the_verifier_costs_something_per_accepted_token():
-    assert 0 < verify_per_token(vocab=145, tokens=16, repeats=3) < 1e-2
+    from bench.sampling import SamplingConfig
+    assert 0 < verify_per_token(145, SamplingConfig(temperature=1.0), tokens=32, repeats=5) < 1e-2
 
 
 @pytest.mark.slow
@@ -40,5 +41,5 @@ def test_a_replay_and_its_simulation_priced(tmp_path):
     assert (base["measured_speedup"] == 1).all() and (base["predicted_speedup"] == 1).all()
     assert per["error"].notna().all() and (per["predicted_s"] > 0).all()
     assert list(summary(per)["method"]) == ["baseline", "tree_cache"]
-    with pytest.raises(SystemExit):  # a hand-made table does not price this CPU within 10%: exit status 1
+    with pytest.raises(SystemExit, match="median error up to"):  # tolerance 0: some error is always there
         main([str(tmp_path / "runs" / "val"), "--table", str(tmp_path / "table.csv"), "--tolerance", "0"])

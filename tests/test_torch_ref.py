@@ -300,7 +300,7 @@ def test_no_pass_reads_cache_memory_before_it_is_zeroed_or_written(ckpts, engine
     reused (a live-batch cap), the prompts grow the capacity, tree drafts move accepted slots."""
     import functools
 
-    import bench.engines.torch_ref as tr
+    import bench.engines.torch_block as tb  # where the backend builds its cache
     from bench.engines.kv_slots import SlotKVCache
     reqs, sampling = requests(8), SAMPLINGS["t1"]
     reqs.append(Request(RolloutKey("long", 0), [0] + [5 + j % 20 for j in range(30)], 1))  # admitted last: grows
@@ -308,7 +308,7 @@ def test_no_pass_reads_cache_memory_before_it_is_zeroed_or_written(ckpts, engine
     capped.load(ckpts[0])
     base = engine64.rollout(reqs, sampling, Baseline(), VerifyConfig())
     futures = {r.key: r.token_ids for r in base}
-    monkeypatch.setattr(tr, "SlotKVCache", functools.partial(SlotKVCache, poison=True))
+    monkeypatch.setattr(tb, "SlotKVCache", functools.partial(SlotKVCache, poison=True))
     for eng in (engine64, capped):
         for drafter in (Baseline(), OracleDrafter(futures, 5), TreeOracle(futures, 3)):
             out = eng.rollout(reqs, sampling, drafter, VerifyConfig())

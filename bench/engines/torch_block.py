@@ -67,8 +67,9 @@ class TorchBackend:
             return PassResult(verdicts, t_v - t_f + head_s[0], time.perf_counter() - t_v - head_s[0])
 
     def _chunk_rows(self, rows: list[LiveRow], drafts: list[Draft]) -> int:
-        """Queries per chunk for a block whose mask would pass ``MASK_BYTES`` (0: one pass, one mask).
-        Only chain blocks on an engine that runs the model's base (its output layer applied apart)."""
+        """Nonzero when a block's mask would pass ``MASK_BYTES``, so it runs in tiles (``_tile`` sizes
+        them; 0: one pass, one mask). Only chain blocks on an engine that runs the model's base (its
+        output layer applied apart)."""
         q = max(len(r.pending) + len(d) for r, d in zip(rows, drafts))
         view = max(r.cached + len(r.pending) + len(d) for r, d in zip(rows, drafts))
         itemsize = torch.finfo(self.engine.dtype).bits // 8

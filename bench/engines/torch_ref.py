@@ -68,13 +68,14 @@ class TorchRefEngine:
         self.last_iterations = 0
         self.last_iteration_log: list[dict] = []
         table = None
-        wants_table = spec_policy == "throughput_optimal" or seconds == "table"
-        if wants_table and latency_table not in (None, "auto"):
+        if (spec_policy == "throughput_optimal" or seconds == "table") and latency_table not in (None, "auto"):
             from ..latency import LatencyTable
             table = LatencyTable.read(latency_table)
-        elif wants_table and latency_table == "auto":
+        elif latency_table == "auto":
             table = "auto"  # profiled at the first load (bench.engines.torch_timing), once a model exists
-        self.policy = SpecPolicy(spec_policy, spec_max_rows, table)
+        # the policy reads the table under throughput_optimal only (with it, fixed would split passes by it)
+        self.policy = SpecPolicy(spec_policy, spec_max_rows, table if spec_policy == "throughput_optimal" else None)
+        self.price_table = table if seconds == "table" else None  # what engine.seconds=table prices passes by
 
     # ------------------------------------------------------------------ checkpoints
     def load(self, checkpoint: str | Path) -> None:
@@ -109,9 +110,11 @@ class TorchRefEngine:
         if self._base is None:
             self._base = self._find_base()
         self.info, self._arch_key = info, arch_key
-        if self.policy.table == "auto":
+        if "auto" in (self.policy.table, self.price_table):
             from .torch_timing import cached_latency_table
-            self.policy.table = cached_latency_table(self)
+            table = cached_latency_table(self)
+            self.policy.table = table if self.policy.table == "auto" else self.policy.table
+            self.price_table = table if self.price_table == "auto" else self.price_table
 
     def _fp32_head(self) -> None:
         """In fp16/bf16, compute the output layer in fp32 (an fp32 copy of its weight, refreshed at
@@ -178,6 +181,8 @@ class TorchRefEngine:
                 setattr(self, name, getattr(other, name))
         if self.policy.table == "auto":
             self.policy.table = other.policy.table
+        if self.price_table == "auto":
+            self.price_table = other.price_table
 
     # ------------------------------------------------------------------ rollouts
     def warm_up(self, requests: list[Request], sampling: SamplingConfig) -> None:
@@ -214,7 +219,7 @@ class TorchRefEngine:
             return []
         for r in requests:
             self._check_prompt(r, sampling)
-        prices = TablePrices(self.policy.table) if self.seconds == "table" else None
+        prices = TablePrices(self.price_table) if self.price_table is not None else None
         scheduler = Scheduler(TorchBackend(self), self.policy, self.max_batch_size, prices=prices)
         self.last_iterations = 0  # forward passes of this call (what steps.parquet records)
         self.last_iteration_log = scheduler.iteration_log

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from ..errors import UserError
 from . import Knob, check_all, check_keys, check_value
 from .engines import ENGINES, SAMPLING, VERIFY
 from .methods import DRAFTERS, METHODS
@@ -69,13 +70,20 @@ def validate_engine(settings: dict) -> None:
     values = {k: v for k, v in settings.items() if k != "name"}
     check_all(ENGINES[name], values, "engine", f"settings: conf/engine/{name}.yaml; python -m bench.cli "
               f"engine={name} --knobs lists them", head=f"engine={name} has", noun="setting")
+    if values.get("seconds") == "table" and values.get("latency_table") is None:
+        raise UserError("engine.seconds=table prices every pass by engine.latency_table, which is null: set "
+                        "engine.latency_table=auto or a CSV from python -m bench.latency profile")
 
 
 def validate_run(values: dict) -> None:
-    """The run's own options (conf/bench.yaml's top-level keys); ``steps`` may be one number."""
+    """The run's own options (conf/bench.yaml's top-level keys); ``steps`` may be one number. Keys of
+    one's own (``+tag=x``) pass: ``check_override_keys`` refuses a misspelt known one before Hydra."""
     if isinstance(values.get("steps"), int) and not isinstance(values["steps"], bool):
         values = {**values, "steps": [values["steps"]]}
-    check_all(EXPERIMENT, values, "", "see conf/bench.yaml", head="the config", noun="option")
+    known = {k.name: k for k in EXPERIMENT}  # a key of one's own added with +KEY=VALUE (a tag) is let through;
+    for key, value in values.items():  # a misspelt one without + was refused before composing
+        if key in known:
+            check_value(known[key], key, value, "see conf/bench.yaml")
 
 
 def validate_sampling(values: dict) -> None:

@@ -30,7 +30,7 @@ ENGINES: dict[str, tuple[Knob, ...]] = {
              "disable_by_batch_size), throughput_optimal", choices=("fixed", "batch_threshold", "throughput_optimal")),
         Knob("spec_max_rows", "int", 32, "batch_threshold: no drafts while more rows than this are live",
              "paper", "TLT / FastRL bs_threshold 32", lo=0),
-        Knob("latency_table", "str", None, "throughput_optimal: auto (profiled once) or a CSV from "
+        Knob("latency_table", "str", None, "throughput_optimal and seconds=table: auto (profiled once) or a CSV from "
              "bench.latency profile", nullable=True),
         Knob("seconds", "str", "measured", "measured: the clock; table: every pass priced by latency_table and "
              "nothing else timed (reproducible decisions, equal to bench.simulate)", choices=("measured", "table")),

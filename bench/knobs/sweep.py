@@ -35,12 +35,22 @@ def job_overrides(conf_dir: str, config_name: str, args: list[str]) -> list[list
 
 
 def validate_sweep(conf_dir: str, config_name: str, args: list[str], check: Callable) -> int:
-    """Compose and ``check`` every job of the sweep ``args`` describe; returns how many there are."""
+    """Compose and ``check`` every job of the sweep ``args`` describe; returns how many there are (0:
+    a sweep Hydra cannot compose, left for Hydra to report in its own words)."""
     from hydra import compose, initialize_config_dir
-    jobs = job_overrides(conf_dir, config_name, args)
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+    hydras = (HydraException, OmegaConfBaseException)
+    try:
+        jobs = job_overrides(conf_dir, config_name, args)
+    except hydras:
+        return 0  # a sweep Hydra cannot expand: Hydra says why when it runs
     with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
         for number, job in enumerate(jobs):
-            cfg = compose(config_name, overrides=[o for o in job if not o.startswith(("hydra.", "hydra/"))])
+            try:
+                cfg = compose(config_name, overrides=[o for o in job if not o.startswith(("hydra.", "hydra/"))])
+            except hydras:
+                return 0
             try:
                 check(cfg)
             except UserError as exc:

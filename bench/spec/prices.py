@@ -29,8 +29,10 @@ class VirtualClock:
 
 
 class TablePrices:
-    """A pass of ``rows`` rows, each padded to ``width`` query tokens, at mean context ``context``
-    costs the table's seconds (a ``LatencyTable``, read through the policy's memo)."""
+    """A pass of ``rows`` rows, each padded to ``width`` query tokens (``query_tokens`` in all), at
+    mean context ``context`` costs the table's seconds: a ``LatencyTable`` read through a memo of
+    its own (``TableLookup``, as the policy reads it), or a table with a ``price`` of its own (the
+    roofline prices the real query tokens, as ``bench.latency.pass_seconds`` does)."""
 
     def __init__(self, table):
         from ..spec_policy import TableLookup
@@ -39,7 +41,10 @@ class TablePrices:
         self.table = table
         self.lookup = TableLookup(table)
 
-    def __call__(self, rows: int, width: int, context: float) -> float:
+    def __call__(self, rows: int, width: int, context: float, query_tokens: int) -> float:
+        price = getattr(self.table, "price", None)
+        if price is not None:
+            return price(rows, width, context, query_tokens)
         return self.lookup.one(rows, width, context)
 
 

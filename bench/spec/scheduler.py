@@ -251,7 +251,8 @@ class Scheduler:
             ctx = [contexts[i] for i in group]
             if self.prices is not None:  # the table's price of this shape, and nothing for the verifier
                 result = PassResult(result.verdicts, self.prices(len(group), max(sizes[i] for i in group),
-                                                                 sum(ctx) / len(group)), 0.0)
+                                                                 sum(ctx) / len(group), sum(sizes[i] for i in group)),
+                                    0.0)
                 self.clock.advance(result.forward_s)
             calls.append({"rows": len(group), "run_ahead_rows": sum(rows[i].request.run_ahead for i in group),
                           "query_tokens": sum(sizes[i] for i in group),
