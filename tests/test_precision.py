@@ -260,3 +260,16 @@ def test_bf16_fp32_head_follows_a_weight_swap(tmp_path):
     assert eng.model.get_output_embeddings()(torch.ones(1, 64, dtype=torch.bfloat16)).dtype == torch.float32
     got, want = (e.rollout(reqs, SAMPLING, Baseline(), VerifyConfig()) for e in (eng, fresh))
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+
+
+def test_the_near_tie_benchmark_measures_cdf_shifts():
+    """bench.benchmarks near-ties on a small random policy: chain and tree rows per dtype, float64's
+    shift far below its threshold, and every exact run free of rule divergences."""
+    from bench.benchmarks import near_tie_shift
+    rows = near_tie_shift(dtypes=("float64", "float32"), vocab=64, hidden=32, layers=1, batch=2, new_tokens=8,
+                          budget=4)
+    assert [(r["dtype"], r["shape"]) for r in rows] == [("float64", "chain"), ("float64", "tree"),
+                                                       ("float32", "chain"), ("float32", "tree")]
+    assert all(r["positions"] > 0 for r in rows)
+    assert all(r["shift_max"] < 1e-9 for r in rows if r["dtype"] == "float64")
+    assert all(r.get("rule_divergences", 0) == 0 for r in rows)
