@@ -46,7 +46,8 @@ class HistorySpecDrafter(NullDrafter):
         self.max_depth = max_depth
         self._step = 0
         self._tries: dict[str, SuffixTrie] = {}  # drafted from: the last completed visit
-        self._collected: dict[str, tuple[int, list[list[int]]]] = {}  # visit in progress
+        # visit in progress: (step, [(sample index, response)]), put in sample order when the trie is built
+        self._collected: dict[str, tuple[int, list[tuple[int, list[int]]]]] = {}
         self._length: dict[RolloutKey, int] = {}  # AIMD draft length per rollout
         self._last_draft: dict[RolloutKey, list[int]] = {}
         self.reset_stats()
@@ -73,7 +74,12 @@ class HistorySpecDrafter(NullDrafter):
         if collected is None or collected[0] >= self._step:
             return
         trie = make_tree(self.backend, self.max_depth)
-        for seq_id, response in enumerate(collected[1]):
+        # in sample order, not finish order: "first hit" breaks ties by insertion, and the order rows
+        # finish in depends on how fast each was drafted (a replay's speculation, a sparse trace's feed)
+        entries = collected[1]
+        if entries and not isinstance(entries[0], tuple):  # a snapshot from before sample order: as it was
+            entries = list(enumerate(entries))
+        for seq_id, (_, response) in enumerate(sorted(entries, key=lambda sr: sr[0])):
             trie.extend(seq_id, [START, *response])
         self._tries[prompt_id] = trie
         del self._collected[prompt_id]
@@ -129,7 +135,7 @@ class HistorySpecDrafter(NullDrafter):
     def finish(self, key: RolloutKey, rollout: Rollout) -> None:
         self._rebuild_if_new_visit(key.prompt_id)
         collected = self._collected.setdefault(key.prompt_id, (self._step, []))
-        collected[1].append(list(rollout.token_ids))
+        collected[1].append((key.sample_idx, list(rollout.token_ids)))
         self._length.pop(key, None)
         self._last_draft.pop(key, None)
 

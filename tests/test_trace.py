@@ -311,9 +311,11 @@ COUNTERS = ["output_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tok
 # Tree drafts rank a node's children by count, ties in insertion order: a dense replay inserts a
 # step's tokens in flight as they are generated, the sparse feed whole rollouts in finish order, so
 # where two children tie the tree drafts them in another order (seen on a trace recorded on another
-# CPU: one rollout's accepted count off by one). Chains follow the top child only, and the
-# recorded traces have had no tie at a top child.
-ORDER_SENSITIVE = {"tree_cache_tree"}
+# CPU: one rollout's accepted count off by one). suffix_global's one global trie has the same
+# dependence wherever a chain meets a tie at its top child (seen on a trace recorded here: one
+# rollout drafted 10 tokens against 7, the same 4 accepted). The per-prompt chains meet none on the
+# recorded traces; history_spec builds its trie in sample order, so finish order cannot matter.
+ORDER_SENSITIVE = {"tree_cache_tree", "suffix_global"}
 
 
 def _by_slot(rows, step, method):
