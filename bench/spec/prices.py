@@ -8,9 +8,10 @@ run to run, so two runs of it (the engine and the simulator, or a run and its re
 differently. Under :class:`TablePrices` the scheduler replaces each pass's measured seconds by the
 table's price of its shape (rows, padded query width, the pass's mean context), counts the
 verifier, the drafter and the host as costing nothing, and keeps time on a :class:`VirtualClock`
-that advances only by those prices. The policy's machine-speed terms are then fixed (its scales
-are exactly 1, its host, verifier and drafter fits 0), so its decisions, the counters and the
-iteration log depend on the tokens and the table alone: equal on every backend, by construction.
+that advances only by those prices. The policy's machine-speed terms are then fixed (its host,
+verifier and drafter fits 0; its scales exactly 1 on a latency table, the padding ratio on a
+roofline, which prices real query tokens), so its decisions, the counters and the iteration log
+depend on the tokens and the table alone: equal on every backend, by construction.
 """
 from __future__ import annotations
 
