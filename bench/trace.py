@@ -382,6 +382,24 @@ def publish_dir(tmp: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
+def replace_dir(tmp: Path, target: Path, is_current) -> None:
+    """Publish the finished ``tmp`` as ``target``: an existing ``target`` that is not current (stale,
+    partial) is moved aside and deleted first; when a concurrent writer published a current one in
+    the meantime, ``tmp`` is dropped instead. ``is_current(target) -> bool``."""
+    import shutil
+    import tempfile
+    if target.exists() and not is_current(target):
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+        os.replace(target, old / target.name)
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        publish_dir(tmp, target)
+    except OSError:  # a concurrent writer published first
+        if not is_current(target):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)

@@ -46,6 +46,41 @@ def gpu_like_table(path=None):
     return LatencyTable(frame, "gpu-like")
 
 
+DRAFTERS = ((TreeCacheDrafter, {}), (SeerDrafter, {"max_batch_draft_tokens": 8}), (HistorySpecDrafter, {}))
+
+
+def _engine_against_simulator(trace, engine, sim_policy, prices=None, shape=SHAPE):
+    """Each of ``DRAFTERS`` through every step on ``engine`` and on the simulator (one policy per
+    drafter, as the engine keeps one per drafter): tokens, counters, the iteration log (``shape``
+    columns) and every drafter call equal; returns the engine's recorded drafters and logs."""
+    sampling = trace.sampling.to_config()
+    out = []
+    for cls, kw in DRAFTERS:
+        on_engine, on_sim = recording(cls)(**kw), recording(cls)(**kw)
+        policy, logs = sim_policy(), []
+        for s in trace.steps:
+            df = trace.rollouts(s.step)
+            engine.load(trace.checkpoint(s.step))
+            on_engine.begin_step(s.step)
+            reqs = [Request(RolloutKey(p, int(i)), trace.prompts[p], s.step) for p, i in zip(df.prompt_id, df.sample_idx)]
+            eng_out = engine.rollout(reqs, sampling, on_engine, VerifyConfig())
+            eng_log = [{c: call[c] for c in shape} for call in engine.last_iteration_log]
+            sim_log = []
+            sim_out = run_step(on_sim, s.step, recorded_rows(df, sampling.max_new_tokens), trace.prompts,
+                               sampling.max_new_tokens, policy=policy, prices=prices, iteration_log=sim_log)
+            assert [r.token_ids for r in eng_out] == [list(t) for t in df.token_ids]  # the recording, replayed
+            for c in COUNTERS:
+                assert [getattr(r, c) for r in eng_out] == [getattr(r, c) for r in sim_out], (cls.__name__, c)
+            assert eng_log == [{c: call[c] for c in shape} for call in sim_log], cls.__name__
+            if prices is not None:  # priced seconds: the token times too
+                assert [r.last_token_time for r in eng_out] == [r.last_token_time for r in sim_out]
+            logs += eng_log
+        assert on_engine.calls == on_sim.calls, cls.__name__
+        out.append((on_engine, logs))
+    engine.close()
+    return out
+
+
 @pytest.mark.slow
 def test_engine_and_simulator_agree_under_throughput_optimal_on_table_prices(tiny_trace, tmp_path):
     """throughput_optimal decides from seconds; with every pass priced by one table and nothing else
@@ -54,34 +89,13 @@ def test_engine_and_simulator_agree_under_throughput_optimal_on_table_prices(tin
     from bench.engines.torch_ref import TorchRefEngine
     from bench.spec.prices import TablePrices
     from bench.trace import Trace
-    trace = Trace.load(tiny_trace)
-    sampling = trace.sampling.to_config()
     gpu_like_table(tmp_path / "table.csv")
     engine = TorchRefEngine(dtype="float64", spec_policy="throughput_optimal", latency_table=str(tmp_path / "table.csv"),
                             seconds="table")
-    budgets = set()
-    for cls, kw in ((TreeCacheDrafter, {}), (SeerDrafter, {"max_batch_draft_tokens": 8}), (HistorySpecDrafter, {})):
-        on_engine, on_sim = recording(cls)(**kw), recording(cls)(**kw)
-        table = gpu_like_table()
-        sim_policy, prices = SpecPolicy("throughput_optimal", table=table), TablePrices(table)
-        for s in trace.steps:
-            df = trace.rollouts(s.step)
-            engine.load(trace.checkpoint(s.step))
-            on_engine.begin_step(s.step)
-            reqs = [Request(RolloutKey(p, int(i)), trace.prompts[p], s.step) for p, i in zip(df.prompt_id, df.sample_idx)]
-            eng_out = engine.rollout(reqs, sampling, on_engine, VerifyConfig())
-            eng_log = [{c: call[c] for c in [*SHAPE, "forward_s", "verify_s"]} for call in engine.last_iteration_log]
-            sim_log = []
-            sim_out = run_step(on_sim, s.step, recorded_rows(df, sampling.max_new_tokens), trace.prompts,
-                               sampling.max_new_tokens, policy=sim_policy, prices=prices, iteration_log=sim_log)
-            assert [r.token_ids for r in eng_out] == [list(t) for t in df.token_ids]
-            for c in COUNTERS:
-                assert [getattr(r, c) for r in eng_out] == [getattr(r, c) for r in sim_out], (cls.__name__, c)
-            assert eng_log == [{c: call[c] for c in [*SHAPE, "forward_s", "verify_s"]} for call in sim_log]
-            assert [r.last_token_time for r in eng_out] == [r.last_token_time for r in sim_out]  # priced seconds
-            budgets |= {call["draft_budget"] for call in eng_log}
-        assert on_engine.calls == on_sim.calls, cls.__name__
-    engine.close()
+    table = gpu_like_table()
+    runs = _engine_against_simulator(Trace.load(tiny_trace), engine, lambda: SpecPolicy("throughput_optimal", table=table),
+                                     TablePrices(table), [*SHAPE, "forward_s", "verify_s"])
+    budgets = {call["draft_budget"] for _, logs in runs for call in logs}
     assert 0 in budgets and any(b > 0 for b in budgets), budgets  # the policy drafted and declined
 
 
@@ -93,30 +107,11 @@ def test_engine_and_simulator_drive_the_drafter_identically(tiny_trace, kind):
     the batch (Seer), adapt their length (RhymeRL) and insert in flight (SRT)."""
     from bench.engines.torch_ref import TorchRefEngine
     from bench.trace import Trace
-    trace = Trace.load(tiny_trace)
-    sampling = trace.sampling.to_config()
     engine = TorchRefEngine(dtype="float64", spec_policy=kind, spec_max_rows=3)
-    for cls, kw in ((TreeCacheDrafter, {}), (SeerDrafter, {"max_batch_draft_tokens": 8}), (HistorySpecDrafter, {})):
-        on_engine, on_sim = recording(cls)(**kw), recording(cls)(**kw)
-        for s in trace.steps:
-            df = trace.rollouts(s.step)
-            engine.load(trace.checkpoint(s.step))
-            on_engine.begin_step(s.step)
-            reqs = [Request(RolloutKey(p, int(i)), trace.prompts[p], s.step) for p, i in zip(df.prompt_id, df.sample_idx)]
-            eng_out = engine.rollout(reqs, sampling, on_engine, VerifyConfig())
-            eng_log = [{c: call[c] for c in SHAPE} for call in engine.last_iteration_log]
-            sim_log = []
-            sim_out = run_step(on_sim, s.step, recorded_rows(df, sampling.max_new_tokens), trace.prompts,
-                               sampling.max_new_tokens, policy=_policy(kind), iteration_log=sim_log)
-            assert [r.token_ids for r in eng_out] == [list(t) for t in df.token_ids]  # the recording, replayed
-            for c in COUNTERS:
-                assert [getattr(r, c) for r in eng_out] == [getattr(r, c) for r in sim_out], (cls.__name__, c)
-            assert eng_log == [{c: call[c] for c in SHAPE} for call in sim_log], cls.__name__
-        assert on_engine.calls == on_sim.calls, cls.__name__
+    for on_engine, _ in _engine_against_simulator(Trace.load(tiny_trace), engine, lambda: _policy(kind)):
         assert any(c[0] == "begin_iteration" for c in on_engine.calls)
         if kind == "batch_threshold":  # above 3 live rows the drafter is not asked at all
             assert all(len(c[1]) <= 3 for c in on_engine.calls if c[0] == "begin_iteration")
-    engine.close()
 
 
 class CapAt:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ..trace import MANIFEST, publish_dir
+from ..trace import MANIFEST, replace_dir
 from .grpo import RECORDER_VERSION, RecordConfig, SearchRecordConfig
 
 BUNDLED = Path(__file__).resolve().parent / "bundled"  # traces recorded in advance, by cache name
@@ -87,16 +87,7 @@ def ensure_trace(name_or_dir: str | os.PathLike, tiny: bool = False, progress: b
         else:
             from .grpo import record
             record(tmp, cfg, progress=progress)
-        if (target / MANIFEST).exists() and not _is_current(target, cfg):  # stale: move it away
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
-            os.replace(target, old / "trace")
-            shutil.rmtree(old, ignore_errors=True)
-        try:
-            publish_dir(tmp, target)
-        except OSError:  # a concurrent recorder published first
-            if not _is_current(target, cfg):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
+        replace_dir(tmp, target, lambda t: (t / MANIFEST).exists() and _is_current(t, cfg))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
