@@ -16,7 +16,7 @@ pip install -q torch==2.13.0
 pip install -q -e '.[dev,native]'   # native: the build tools (cmake, ninja, nanobind, numpy)
 # --no-deps: the package declares vLLM as a dependency; the suffix tree needs only torch and numpy
 pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
-python -c 'from methods.suffix_tree import native_available; assert native_available(); print("native SuffixTree built")'
+python -c 'from methods.suffix.tree import native_available; assert native_available(); print("native SuffixTree built")'
 set +e
 python -m pytest -q -rs tests/test_suffix_tree.py -k native
 rc=$?

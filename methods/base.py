@@ -1,7 +1,7 @@
 """The contract between drafters and engines: rollout identity, drafts, finished rollouts.
 
 Pure Python on purpose: a drafter never sees a tensor, so every method runs unchanged under the
-torch reference engine, vLLM, SGLang and the model-free simulator (``python -m bench.simulate``).
+torch reference engine, vLLM, SGLang and the model-free simulator (``python -m bench.harness.simulate``).
 """
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ class Rollout:
     ``logprobs[i]`` is the current policy's logprob of ``token_ids[i]`` (log-softmax of the
     logits divided by the sampling temperature; raw logits under greedy decoding).
     ``margins[i]`` is the signed margin of ``token_ids[i]``'s coupled uniform to its CDF interval,
-    in probability mass (``bench.verify.token_margins``; empty where the engine does not record
-    them): ``bench.precision`` tells low-precision near-ties from rule divergences with it.
+    in probability mass (``bench.core.verify.token_margins``; empty where the engine does not record
+    them): ``bench.core.precision`` tells low-precision near-ties from rule divergences with it.
     """
 
     key: RolloutKey

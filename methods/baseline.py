@@ -1,10 +1,10 @@
 """The no-speculation baseline: every token costs one forward pass.
 
-    python -m bench.cli method=baseline
+    python -m bench.harness.cli method=baseline
 """
 from __future__ import annotations
 
-from .base import NullDrafter
+from methods.base import NullDrafter
 
 
 class Baseline(NullDrafter):

@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from .base import Draft, Rollout, RolloutKey
-from .suffix_tree import START
-from .tree_cache import TreeCacheDrafter
+from methods.base import Draft, Rollout, RolloutKey
+from methods.suffix.tree import START
+from methods.tree_cache import TreeCacheDrafter
 
 SHORT, MEDIUM, LONG = 0, 1, 2
 CLASS_NAMES = ("short", "medium", "long")

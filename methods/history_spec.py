@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .base import Draft, NullDrafter, Rollout, RolloutKey
-from .prefix_reuse import common_prefix_len
-from .suffix_tree import START, SuffixTrie, make_tree, resolve_backend
+from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.prefix_reuse import common_prefix_len
+from methods.suffix.tree import START, SuffixTrie, make_tree, resolve_backend
 
 
 class HistorySpecDrafter(NullDrafter):

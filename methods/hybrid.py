@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .base import Draft, NullDrafter, Rollout, RolloutKey
-from .prefix_reuse import PrefixReuseDrafter
-from .tree_cache import TreeCacheDrafter
+from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.prefix_reuse import PrefixReuseDrafter
+from methods.tree_cache import TreeCacheDrafter
 
 
 class HybridDrafter(NullDrafter):

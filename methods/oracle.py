@@ -3,9 +3,9 @@
 ``OracleDrafter`` (the *future* oracle) drafts a rollout's own future from an earlier run with the
 same seed: under coupled sampling a baseline run with the same seed produces exactly the tokens the
 current run will produce, so drafting them bounds what any drafter can gain on an engine. Used by
-tests, by ``python -m bench.benchmarks oracle`` and (as ``future_oracle``) by ``bench.simulate``.
+tests, by ``python -m bench.benchmarks oracle`` and (as ``future_oracle``) by ``bench.harness.simulate``.
 
-``SuffixAutomaton`` holds the texts a *cache* oracle may copy from (``bench.simulate``'s
+``SuffixAutomaton`` holds the texts a *cache* oracle may copy from (``bench.harness.simulate``'s
 ``cache_oracle_tokens_per_step``: the best any copying drafter could do with a method's cache
 contents and budget), in memory linear in the tokens.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from array import array
 from typing import Mapping, Sequence
 
-from .base import Draft, NullDrafter, RolloutKey
+from methods.base import Draft, NullDrafter, RolloutKey
 
 
 class OracleDrafter(NullDrafter):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from .base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.base import Draft, NullDrafter, Rollout, RolloutKey
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

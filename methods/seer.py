@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .base import Draft, RolloutKey
-from .suffix_tree import Speculation
-from .tree_cache import TreeCacheDrafter
+from methods.base import Draft, RolloutKey
+from methods.suffix.tree import Speculation
+from methods.tree_cache import TreeCacheDrafter
 
 
 class SeerDrafter(TreeCacheDrafter):

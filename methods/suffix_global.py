@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from .base import Draft, NullDrafter, Rollout, RolloutKey
-from .suffix_tree import ContextMatcher, SuffixTrie, make_tree, resolve_backend  # noqa: F401 (types)
+from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.suffix.tree import ContextMatcher, SuffixTrie, make_tree, resolve_backend  # noqa: F401 (types)
 
 OWN = 0  # sequence id of the request inside its own trie
 

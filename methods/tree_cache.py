@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .base import Draft, NullDrafter, Rollout, RolloutKey
-from .suffix_tree import START, ContextMatcher, SuffixTrie, make_tree, resolve_backend
+from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.suffix.tree import START, ContextMatcher, SuffixTrie, make_tree, resolve_backend
 
 MATCH_RULES = ("longest", "best")  # SRT's paper / SuffixDecoding's best score over match lengths
 

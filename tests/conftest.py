@@ -8,7 +8,7 @@ def tiny_trace():
 
     Recorded on first use (about half a minute on one core) into ``$SPECROLLOUT_CACHE``.
     """
-    from bench.record import ensure_trace
+    from bench.traces.record import ensure_trace
     return ensure_trace("countdown-tiny", tiny=True, progress=False)
 
 
@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
     import torch
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run: python -m bench.gpu_check on a GPU machine)")
+    skip = pytest.mark.skip(reason="needs a CUDA device (run: python -m bench.benchmarks.gpu_check on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

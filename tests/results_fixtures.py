@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from bench.results import RunWriter, rollout_row, step_row
+from bench.report.results import RunWriter, rollout_row, step_row
 from methods.base import Rollout, RolloutKey
 
 # method -> (probability an iteration has a draft, per-token acceptance probability, draft length)

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from bench.bias import (audit_slots, monte_carlo_tv, replay_prefix_reuse, rule_distribution,
+from bench.benchmarks.bias import (audit_slots, monte_carlo_tv, replay_prefix_reuse, rule_distribution,
                         summarize_bias, tv_distance)
-from bench.verify import VerifyConfig
+from bench.core.verify import VerifyConfig
 
 Q = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)  # draft (old policy)
 P = torch.tensor([0.2, 0.2, 0.4, 0.2], dtype=torch.float64)  # target (new policy)
@@ -67,7 +67,7 @@ def test_monte_carlo_with_separate_ratio_distributions():
 
 @pytest.mark.slow
 def test_tiny_trace_audit_and_end_to_end_replay(tiny_trace):
-    from bench.trace import Trace
+    from bench.traces.format import Trace
     trace = Trace.load(tiny_trace)
     steps = trace.step_numbers[2:]  # every prompt of these steps was visited before
     slots = audit_slots(trace, math.exp(0.5), steps)

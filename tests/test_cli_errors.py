@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli
-from bench.errors import DEBUG_ENV, UserError, run_main
-from bench.results import ConfigMismatchError, RunWriter, load_run
+from bench.harness import cli
+from bench.core.errors import DEBUG_ENV, UserError, run_main
+from bench.report.results import ConfigMismatchError, RunWriter, load_run
 from results_fixtures import run_config, write_fake_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def _args(tmp_path, *overrides):
 def _refused(monkeypatch, capsys, tmp_path, *overrides) -> str:
     """Run the CLI's entry point in this process; the one error line it printed."""
     before = _snapshot(tmp_path / "runs")
-    monkeypatch.setattr(sys, "argv", ["bench.cli", *_args(tmp_path, *overrides)])
+    monkeypatch.setattr(sys, "argv", ["bench.harness.cli", *_args(tmp_path, *overrides)])
     with pytest.raises(SystemExit) as exc:
         cli.main()
     assert exc.value.code == 2
@@ -54,7 +54,7 @@ def _refused(monkeypatch, capsys, tmp_path, *overrides) -> str:
 
 
 def _cli(tmp_path, *overrides):
-    return subprocess.run([sys.executable, "-m", "bench.cli", *_args(tmp_path, *overrides)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "bench.harness.cli", *_args(tmp_path, *overrides)], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, DEBUG_ENV: ""})
 
 
@@ -112,14 +112,14 @@ def test_negative_temperature_real_cli_twice_creates_nothing(tmp_path):
 def test_debug_switch_shows_the_traceback(monkeypatch, tmp_path):
     monkeypatch.setenv(DEBUG_ENV, "1")
     monkeypatch.setenv("HYDRA_FULL_ERROR", "0")  # restored afterwards (debug mode sets it if unset)
-    monkeypatch.setattr(sys, "argv", ["bench.cli", *_args(tmp_path, "method=nope")])
+    monkeypatch.setattr(sys, "argv", ["bench.harness.cli", *_args(tmp_path, "method=nope")])
     with pytest.raises(UserError, match="no method named 'nope'"):
         cli.main()
 
 
 @pytest.mark.parametrize("part", ["steps.parquet", "rollouts.parquet"])
 def test_corrupt_part_is_named_before_resume_and_in_collect(monkeypatch, capsys, tmp_path, part):
-    from bench.collect import main as collect_main
+    from bench.report.collect import main as collect_main
     run_dir = write_fake_run(tmp_path / "runs", "half", methods=("baseline",), steps=2, finish=False)
     bad = run_dir / part / "step_00001__baseline.parquet"
     bad.write_bytes(bad.read_bytes()[:40])  # a truncated copy

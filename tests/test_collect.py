@@ -7,9 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bench.collect import collect, main, report
-from bench.results import RunFolderError, load_run
-from bench.stats import accepted_lengths, summarize
+from bench.report.collect import collect, main, report
+from bench.report.results import RunFolderError, load_run
+from bench.report.stats import accepted_lengths, summarize
 from results_fixtures import write_fake_run
 
 
@@ -114,7 +114,7 @@ def test_accepted_lengths_from_per_position_counts():
 
 
 def test_runs_without_finished_units_are_a_clear_error(tmp_path):
-    from bench.results import RunWriter
+    from bench.report.results import RunWriter
     from results_fixtures import run_config
     RunWriter(tmp_path / "started", run_config(), {})
     with pytest.raises(RunFolderError, match="no finished"):
@@ -168,7 +168,7 @@ def test_several_matching_baselines_are_not_picked_from(tmp_path):
 
 
 def test_identity_columns_for_exact_methods_on_a_coupled_engine(tmp_path):
-    from bench.results import RunWriter
+    from bench.report.results import RunWriter
     from results_fixtures import run_config, unit_rows
     methods = ("baseline", "tree_cache", "history_spec", "prefix_reuse")
     rules = {"baseline": "exact", "tree_cache": "exact", "history_spec": "exact", "prefix_reuse": "ratio"}

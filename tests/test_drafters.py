@@ -521,7 +521,7 @@ def test_methods_never_import_an_engine():
 # ----- the native backend (arctic-inference's suffix tree, where installed) -----
 
 def _native_or_skip():
-    from methods.suffix_tree import native_available
+    from methods.suffix.tree import native_available
     if not native_available():
         pytest.skip("the optional native suffix tree is not installed")
 
@@ -705,8 +705,8 @@ def test_native_tree_methods_are_token_identical_to_baseline(tmp_path):
     """Every tree method on the native backend (match: best where the default rule is longest)
     emits the baseline's tokens in float64 on the tiny trace, and drafts."""
     _native_or_skip()
-    from bench.cli import CONF_DIR, run
-    from bench.results import load_run
+    from bench.harness.cli import CONF_DIR, run
+    from bench.report.results import load_run
     from hydra import compose, initialize_config_dir
     from tests.test_replay import outputs
     tree = ["tree_cache", "tree_cache_tree", "seer", "hybrid", "das", "suffix_global", "history_spec"]

@@ -1,4 +1,4 @@
-"""bench.drafting: the one stop/room cut and counter implementation every engine uses, the drafter
+"""bench.core.drafting: the one stop/room cut and counter implementation every engine uses, the drafter
 modes that pick an engine configuration, and the rule on draft-only / top-1 scoring.
 
     python -m pytest tests/test_drafting.py -q
@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from bench.drafting import (DraftCounters, cut_emitted, drafter_mode, scoring_logprobs, settle,
+from bench.core.drafting import (DraftCounters, cut_emitted, drafter_mode, scoring_logprobs, settle,
                             verify_from_logprobs)
-from bench.engines import vllm_proposer as vp
-from bench.sampling import SamplingConfig
-from bench.verify import VerifyConfig, verify_batch
+from bench.engines.vllm import proposer as vp
+from bench.core.sampling import SamplingConfig
+from bench.core.verify import VerifyConfig, verify_batch
 from methods.base import Draft, NullDrafter, RolloutKey
 from methods.baseline import Baseline
 from methods.hybrid import HybridDrafter
@@ -68,7 +68,7 @@ def test_scoring_asks_the_full_distribution_only_where_the_rule_needs_it():
 
 def test_draft_only_ratio_decides_as_the_verifier():
     """With the draft tokens' logprobs and the engine's sample after the draft, the ratio rule accepts
-    exactly what bench.verify accepts from the full logits (same coupled acceptance uniforms); a
+    exactly what bench.core.verify accepts from the full logits (same coupled acceptance uniforms); a
     rejection leaves the rejected position to the engine's sampler."""
     g = torch.Generator().manual_seed(0)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=64)

@@ -8,7 +8,7 @@ SGLang runs in one worker process per module (a scheduler crash kills its caller
 be pytest), started once (~20 s). SGLang's continuation sampling is not coupled to the suite's
 uniforms, so identity is asserted under greedy decoding and distributions are compared at
 temperature 1 with two-sample tests; the draft region of the prefix path IS coupled (it goes
-through bench.verify), which a test checks against torch_ref too.
+through bench.core.verify), which a test checks against torch_ref too.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from collections import Counter
 
 import pytest
 
-from bench.engines.base import Request
-from bench.sampling import SamplingConfig
-from bench.verify import VerifyConfig
+from bench.core.engine_protocol import Request
+from bench.core.sampling import SamplingConfig
+from bench.core.verify import VerifyConfig
 from methods.base import RolloutKey
 from methods.baseline import Baseline
 from methods.prefix_reuse import PrefixReuseDrafter
@@ -41,7 +41,7 @@ WAIT_S = 900
 
 def _serve(conn, engine_kwargs):
     """Worker process: owns one SGLangEngine and answers (method, args) messages."""
-    from bench.engines.sglang import SGLangEngine
+    from bench.engines.sglang.adapter import SGLangEngine
     engine = SGLangEngine(**engine_kwargs)
     try:
         while True:
@@ -105,7 +105,7 @@ class EngineProxy:
 
 @pytest.fixture(scope="module")
 def trace(tiny_trace):
-    from bench.trace import Trace
+    from bench.traces.format import Trace
     return Trace.load(tiny_trace)
 
 
@@ -143,7 +143,7 @@ def check_rollouts(rollouts, requests, sampling):
 @pytest.mark.skipif(HAVE_SGLANG, reason="checks the error raised when sglang is missing")
 def test_missing_sglang_names_the_install():
     from bench.engines import make_engine
-    from bench.engines.sglang import SGLangUnavailable
+    from bench.engines.sglang.adapter import SGLangUnavailable
     with pytest.raises(SGLangUnavailable, match=r"rigs/sglang_cpu/build.sh.*\.\[sglang\]|\.\[sglang\].*rigs/sglang_cpu"):
         make_engine("sglang")
 
@@ -151,7 +151,7 @@ def test_missing_sglang_names_the_install():
 @pytest.mark.sglang
 def test_bad_checkpoint_names_the_path(tmp_path):
     from bench.engines.checkpoint import CheckpointError
-    from bench.engines.sglang import SGLangEngine
+    from bench.engines.sglang.adapter import SGLangEngine
     with pytest.raises(CheckpointError, match=str(tmp_path / "nope")):
         SGLangEngine().load(tmp_path / "nope")
 
@@ -159,7 +159,7 @@ def test_bad_checkpoint_names_the_path(tmp_path):
 def test_baseline_and_prefix_reuse_run_on_an_engine_with_no_speculative_settings():
     """With NGRAM set, tree methods get the NGRAM engine and the baseline and prefix reuse a plain
     one (no engine is started here: the routing and the settings each engine gets)."""
-    from bench.engines.sglang import SGLangEngine
+    from bench.engines.sglang.adapter import SGLangEngine
     from methods.tree_cache import TreeCacheDrafter
     eng = SGLangEngine(speculative_algorithm="NGRAM")
     assert eng.engine_for(Baseline()) == eng.engine_for(PrefixReuseDrafter()) == "plain"
@@ -240,10 +240,10 @@ def test_greedy_exact_prefix_reuse_equals_baseline(sgl, trace):
 
 @needs_sglang
 def test_exact_draft_region_is_coupled_with_torch_ref(sgl, trace):
-    """The prefix path verifies with bench.verify and the suite's uniforms: the accepted prefix and
+    """The prefix path verifies with bench.core.verify and the suite's uniforms: the accepted prefix and
     the token after it equal torch_ref's exact prefix reuse (near-ties aside)."""
     import copy
-    from bench.engines.torch_ref import TorchRefEngine
+    from bench.engines.torch.engine import TorchRefEngine
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=16)
     sgl.load(trace.checkpoint(0))
     cache = PrefixReuseDrafter()
@@ -267,7 +267,7 @@ def _ref_pair(sgl, trace, sampling, verify, draft_sampling=None):
     """The same prefix cache (filled on SGLang under checkpoint 0) replayed at TARGET on torch_ref
     and on SGLang: (torch_ref rollouts, SGLang rollouts, SGLang's last_scoring)."""
     import copy
-    from bench.engines.torch_ref import TorchRefEngine
+    from bench.engines.torch.engine import TorchRefEngine
     sgl.load(trace.checkpoint(0))
     cache = PrefixReuseDrafter()
     sgl.rollout(reqs(trace, TARGET, 4, as_step=0), draft_sampling or sampling, cache)

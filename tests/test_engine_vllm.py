@@ -16,16 +16,16 @@ import torch  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from bench.cli import CONF_DIR  # noqa: E402
+from bench.harness.cli import CONF_DIR  # noqa: E402
 from bench.engines import make_engine  # noqa: E402
 from bench.engines.checkpoint import CheckpointError  # noqa: E402
-from bench.replay import step_requests  # noqa: E402
-from bench.sampling import SamplingConfig  # noqa: E402
-from bench.trace import Trace  # noqa: E402
-from bench.verify import VerifyConfig  # noqa: E402
+from bench.harness.replay import step_requests  # noqa: E402
+from bench.core.sampling import SamplingConfig  # noqa: E402
+from bench.traces.format import Trace  # noqa: E402
+from bench.core.verify import VerifyConfig  # noqa: E402
 from methods.base import Draft, NullDrafter  # noqa: E402
 from methods.baseline import Baseline  # noqa: E402
-from bench.replay import RunAheadQueue, run_ahead_requests  # noqa: E402
+from bench.harness.replay import RunAheadQueue, run_ahead_requests  # noqa: E402
 
 METHODS = sorted(p.stem for p in (Path(CONF_DIR) / "method").glob("*.yaml"))
 EXACT = [m for m in METHODS if OmegaConf.load(Path(CONF_DIR) / "method" / f"{m}.yaml").verify.rule != "ratio"]
@@ -275,7 +275,7 @@ def _prefix_pair(engine, trace, name, sampling):
     """The same prefix-reuse cache (filled on vLLM at the first WARM steps) replayed at the last
     WARM step on torch_ref and on vLLM: (torch_ref rollouts, vLLM rollouts)."""
     import copy
-    from bench.engines.torch_ref import TorchRefEngine
+    from bench.engines.torch.engine import TorchRefEngine
     make, verify = method(name)
     cache = make()
     replay(engine, trace, cache, verify, sampling, WARM[:-1], 4)
@@ -376,7 +376,7 @@ def test_the_drafter_hears_the_same_calls_as_on_torch_ref(engine, trace):
     sampling at T=1, float32), same calls."""
     import copy
     from recording_drafter import recording
-    from bench.engines.torch_ref import TorchRefEngine
+    from bench.engines.torch.engine import TorchRefEngine
     from methods.tree_cache import TreeCacheDrafter
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=trace.sampling.max_new_tokens)
     cache = recording(TreeCacheDrafter)()

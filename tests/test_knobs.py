@@ -15,8 +15,8 @@ import hydra
 import pytest
 import yaml
 
-from bench import cli
-from bench.errors import DEBUG_ENV, UserError
+from bench.harness import cli
+from bench.core.errors import DEBUG_ENV, UserError
 from bench.knobs import Knob
 from bench.knobs.check import validate
 from bench.knobs.engines import ENGINES, SAMPLING, VERIFY
@@ -26,8 +26,8 @@ from bench.knobs.run import EXPERIMENT, TRACE
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF = ROOT / "conf"
-ENGINE_CLASSES = {"torch_ref": "bench.engines.torch_ref.TorchRefEngine", "vllm": "bench.engines.vllm.VLLMEngine",
-                  "sglang": "bench.engines.sglang.SGLangEngine"}
+ENGINE_CLASSES = {"torch_ref": "bench.engines.torch.engine.TorchRefEngine", "vllm": "bench.engines.vllm.adapter.VLLMEngine",
+                  "sglang": "bench.engines.sglang.adapter.SGLangEngine"}
 
 
 @pytest.fixture(autouse=True)
@@ -89,14 +89,14 @@ def test_engine_schema_is_the_constructor_and_its_yaml(name):
 
 
 def test_sampling_schema_is_the_sampling_config():
-    from bench.sampling import SamplingConfig
+    from bench.core.sampling import SamplingConfig
     assert [k.name for k in SAMPLING] == [f.name for f in fields(SamplingConfig) if f.name != "n"]
     for path in (CONF / "sampling").glob("*.yaml"):
         assert set(_yaml(path)) <= {k.name for k in SAMPLING}, path.name
 
 
 def test_verify_schema_is_the_verify_config():
-    from bench.verify import VerifyConfig
+    from bench.core.verify import VerifyConfig
     assert [k.name for k in VERIFY] == [f.name for f in fields(VerifyConfig)]
     assert [k.default for k in VERIFY] == [f.default for f in fields(VerifyConfig)]
 
@@ -112,10 +112,10 @@ def test_trace_and_run_schemas_are_the_yaml():
 # --- every knob walked through the real entry point -------------------------------------------------
 
 def _refused(monkeypatch, capsys, tmp_path, *overrides) -> str:
-    """bench.cli's entry point on ``overrides``: exit status 2, one line, nothing written."""
+    """bench.harness.cli's entry point on ``overrides``: exit status 2, one line, nothing written."""
     args = ["trace=countdown_tiny", "plots=false", "progress=false", f"results_root={tmp_path / 'runs'}",
             f"figures_root={tmp_path / 'figs'}", *overrides]
-    monkeypatch.setattr(sys, "argv", ["bench.cli", *args])
+    monkeypatch.setattr(sys, "argv", ["bench.harness.cli", *args])
     with pytest.raises(SystemExit) as exc:
         cli.main()
     assert exc.value.code == 2, overrides
@@ -192,7 +192,7 @@ def test_the_issues_three_values_are_refused_by_the_real_command(tmp_path):
         (["method=suffix_global", "method.suffix_global.drafter.min_prob=2"],
          "method.suffix_global.drafter.min_prob must be a float in [0, 1], got 2"),
     ]:
-        done = subprocess.run([sys.executable, "-m", "bench.cli", "trace=countdown_tiny",
+        done = subprocess.run([sys.executable, "-m", "bench.harness.cli", "trace=countdown_tiny",
                                f"results_root={tmp_path / 'runs'}", *overrides], cwd=ROOT, capture_output=True,
                               text=True)
         assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
@@ -268,20 +268,20 @@ def test_the_bundled_sweeps_expand_and_validate():
 
 
 def test_listings(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["bench.cli", "--methods"])
+    monkeypatch.setattr(sys, "argv", ["bench.harness.cli", "--methods"])
     cli.main()
     out = capsys.readouterr().out
     assert all(re.search(rf"^{name}\s", out, re.M) for name in METHODS)
-    monkeypatch.setattr(sys, "argv", ["bench.cli", "method=das", "engine=vllm", "--knobs"])
+    monkeypatch.setattr(sys, "argv", ["bench.harness.cli", "method=das", "engine=vllm", "--knobs"])
     cli.main()
     out = capsys.readouterr().out
     assert "`drafter.window_steps` | int | `16` | an int >= 1 | released code" in out
     assert "engine `vllm`" in out and "`num_speculative_tokens`" in out and "## `tree_cache`" not in out
-    monkeypatch.setattr(sys, "argv", ["bench.cli", "-m", "method=das,tree_cache", "--knobs"])
+    monkeypatch.setattr(sys, "argv", ["bench.harness.cli", "-m", "method=das,tree_cache", "--knobs"])
     cli.main()
     out = capsys.readouterr().out
     assert "## `das`" in out and "## `tree_cache`" in out
-    monkeypatch.setattr(sys, "argv", ["bench.cli", "method=nope", "--knobs"])
+    monkeypatch.setattr(sys, "argv", ["bench.harness.cli", "method=nope", "--knobs"])
     with pytest.raises(SystemExit) as exc:
         cli.main()
     assert exc.value.code == 2 and "method=nope: no method" in capsys.readouterr().err

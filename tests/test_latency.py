@@ -7,12 +7,13 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from bench.cli import CONF_DIR, run
-from bench.errors import UserError
-from bench.latency import LatencyTable, predict
-from bench.roofline import Hardware, ModelShape, roofline_seconds
-from bench.results import RunWriter, load_iterations, load_run
-from bench.spec_policy import AcceptanceTracker, SpecPolicy
+from bench.harness.cli import CONF_DIR, run
+from bench.core.errors import UserError
+from bench.report.prediction import predict
+from bench.spec.latency import LatencyTable
+from bench.spec.roofline import Hardware, ModelShape, roofline_seconds
+from bench.report.results import RunWriter, load_iterations, load_run
+from bench.spec.policy import AcceptanceTracker, SpecPolicy
 
 
 def cfg_for(*overrides):
@@ -149,7 +150,7 @@ def test_roofline_by_hand_and_bundled_shapes():
 
 
 def test_the_policys_table_covers_the_models_contexts():
-    from bench.engines.torch_timing import AUTO_QUERY, auto_contexts
+    from bench.engines.torch.timing import AUTO_QUERY, auto_contexts
     widest = max(AUTO_QUERY)
     assert auto_contexts(32768) == (32, 256, 1024)
     assert auto_contexts(768) == (32, 256, 768 - widest - 1)  # the main job's policy: its longest rows fit

@@ -3,13 +3,13 @@ tile's grouped-query K/V copies bounded by the KV cache (``TorchBackend._tile``;
 import pytest
 import torch
 
-import bench.engines.torch_block as tb
+import bench.engines.torch.block as tb
 import bench.spec.scheduler as sched
-from bench.benchmarks import PeakTensorBytes
-from bench.engines.base import Request
-from bench.engines.torch_ref import TorchRefEngine
-from bench.sampling import SamplingConfig
-from bench.verify import VerifyConfig
+from bench.benchmarks.verify_scale import PeakTensorBytes
+from bench.core.engine_protocol import Request
+from bench.engines.torch.engine import TorchRefEngine
+from bench.core.sampling import SamplingConfig
+from bench.core.verify import VerifyConfig
 from methods.base import RolloutKey
 from methods.baseline import Baseline
 from methods.oracle import OracleDrafter

@@ -1,7 +1,7 @@
 """Figures: every kind written as non-empty PNG and PDF; the engine comparison only with >= 2 engines."""
 from __future__ import annotations
 
-from bench.plots import main, make_figures
+from bench.report.plots import main, make_figures
 from results_fixtures import write_fake_run
 
 KINDS = ("speedup", "step_curves", "rollout_time", "accepted_length")
@@ -43,8 +43,8 @@ def test_group_without_baseline_skips_speedup_but_plots_the_rest(tmp_path):
 def test_several_setups_of_one_engine_beside_another_engine(tmp_path):
     """torch_ref from two machines and in two dtypes beside vLLM: every figure drawn, none
     overwritten (one file per setup), one engine comparison with a series per setup."""
-    from bench.collect import collect
-    from bench.plots import setup_id, setup_label
+    from bench.report.collect import collect
+    from bench.report.plots import setup_id, setup_label
     small, big = {"cpu": "Xeon 2c", "cores": 2}, {"cpu": "EPYC, 16c", "cores": 16, "gpu": "H200", "gpu_count": 1}
     runs = tmp_path / "runs"
     write_fake_run(runs, "ref_small", engine="torch_ref", hardware=small, engine_settings={"dtype": "float32"})

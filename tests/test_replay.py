@@ -11,13 +11,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from bench.cli import CONF_DIR, run
-from bench.collect import collect
-from bench.engines.torch_ref import TorchRefEngine
-from bench.replay import MethodSpec, replay
-from bench.results import RunWriter, load_run
-from bench.trace import Trace
-from bench.verify import VerifyConfig
+from bench.harness.cli import CONF_DIR, run
+from bench.report.collect import collect
+from bench.engines.torch.engine import TorchRefEngine
+from bench.harness.replay import MethodSpec, replay
+from bench.report.results import RunWriter, load_run
+from bench.traces.format import Trace
+from bench.core.verify import VerifyConfig
 from methods.base import RolloutKey
 from methods.baseline import Baseline
 from methods.oracle import OracleDrafter
@@ -66,7 +66,7 @@ def test_every_exact_method_is_token_identical_to_baseline(tmp_path, sampling):
 
 
 def test_oracle_replay_accepts_the_recorded_future(tmp_path):
-    from bench.record import ensure_trace
+    from bench.traces.record import ensure_trace
     trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
     steps = trace.step_numbers[:2]
     futures = {RolloutKey(p, int(i)): [int(t) for t in toks]
@@ -88,7 +88,7 @@ def test_oracle_replay_accepts_the_recorded_future(tmp_path):
 def _cli(*args):
     """The CLI as a user types it (Hydra's -m flag goes before the overrides)."""
     flags = [a for a in args if a == "-m"]
-    return [sys.executable, "-m", "bench.cli", *flags, "trace=countdown_tiny", "plots=false", "progress=false",
+    return [sys.executable, "-m", "bench.harness.cli", *flags, "trace=countdown_tiny", "plots=false", "progress=false",
             *[a for a in args if a != "-m"]]
 
 
@@ -123,9 +123,9 @@ def _assert_same_run(a_dir, b_dir, ignore=()):
 
 def test_resume_at_every_unit_boundary_equals_the_uninterrupted_run(tmp_path):
     """5 steps x 6 methods, the run killed after every single unit and resumed each time."""
-    from bench.cli import method_specs
-    from bench.record import ensure_trace
-    from bench.replay import ReplayInterrupted
+    from bench.harness.cli import method_specs
+    from bench.traces.record import ensure_trace
+    from bench.harness.replay import ReplayInterrupted
     trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
     cfg = cfg_for("method=[" + ",".join(RESUME_METHODS) + "]", "engine.dtype=float64")
     config = {"trace": {"name": trace.name}, "engine": {"name": "torch_ref"}, "methods": RESUME_METHODS}
@@ -155,8 +155,8 @@ def test_timing_repeats_keep_the_median_repeat_and_change_no_count(tmp_path):
     """Each unit timed three times, in rounds of every method, every repeat from the step's starting
     drafter state: every token and counter, and every later draft, equals the once-timed run's
     (the fixed policy reads no clock), and the kept seconds are the median of the three."""
-    from bench.cli import method_specs
-    from bench.record import ensure_trace
+    from bench.harness.cli import method_specs
+    from bench.traces.record import ensure_trace
     trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
     cfg = cfg_for("method=[" + ",".join(RESUME_METHODS) + "]", "engine.dtype=float64")
     config = {"trace": {"name": trace.name}, "engine": {"name": "torch_ref"}, "methods": RESUME_METHODS}
@@ -178,9 +178,9 @@ def test_interleaved_timing_changes_no_token_or_count_and_resumes(tmp_path, monk
     fixed policy reads no clock), in turns of 1 iteration with timing repeats and in turns of 3
     when killed after every unit and resumed; and the iterations really alternate between the
     methods' engines."""
-    from bench.cli import method_specs
-    from bench.record import ensure_trace
-    from bench.replay import ReplayInterrupted
+    from bench.harness.cli import method_specs
+    from bench.traces.record import ensure_trace
+    from bench.harness.replay import ReplayInterrupted
     trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
     cfg = cfg_for("method=[" + ",".join(RESUME_METHODS) + "]", "engine.dtype=float64")
     config = {"trace": {"name": trace.name}, "engine": {"name": "torch_ref"}, "methods": RESUME_METHODS}
@@ -222,8 +222,8 @@ def test_interleaved_timing_changes_no_token_or_count_and_resumes(tmp_path, monk
 
 
 def test_interleave_needs_an_engine_that_runs_one_iteration_at_a_time():
-    from bench.cli import UserError, _check_interleave
-    from bench.engines.vllm import VLLMEngine
+    from bench.harness.cli import UserError, _check_interleave
+    from bench.engines.vllm.adapter import VLLMEngine
     with pytest.raises(UserError, match="interleave=false"):
         _check_interleave(cfg_for("engine=vllm", "interleave=true"), VLLMEngine)
     with pytest.raises(UserError, match="true or false"):
@@ -233,7 +233,7 @@ def test_interleave_needs_an_engine_that_runs_one_iteration_at_a_time():
 
 
 def test_resume_after_a_real_kill_mid_unit_equals_the_uninterrupted_run(tmp_path):
-    from bench.record import ensure_trace
+    from bench.traces.record import ensure_trace
     ensure_trace("countdown-tiny", tiny=True)  # recorded before the clock starts
     common = ["method=[baseline,tree_cache,hybrid,tree_cache_runahead]", "engine.dtype=float64",
               "max_steps=5", f"results_root={tmp_path}"]
@@ -275,7 +275,7 @@ def test_run_ahead_rollouts_are_stored_apart_and_do_not_copy_the_future(tmp_path
     # one of the next step's rollouts of its prompt more often than an independent sample is?
     # The independent sample: the same request drawn by the same checkpoint under another seed.
     from dataclasses import replace
-    from bench.engines.base import Request
+    from bench.core.engine_protocol import Request
     trace = Trace.load(str(load_run(run_dir)[0]["trace"]["path"]))
     base = trained[trained["method"] == "baseline"]
     future: dict = {}
@@ -360,8 +360,8 @@ def test_timing_repeats_start_every_repeat_from_the_same_policy_evidence(tmp_pat
     """Under throughput_optimal the policy carries each drafter's fits into its next call; each
     timing repeat of a unit must start from the evidence carried into the step, not from the
     repeat before it, and the kept repeat's evidence is what the next step starts from."""
-    from bench.cli import method_specs
-    from bench.record import ensure_trace
+    from bench.harness.cli import method_specs
+    from bench.traces.record import ensure_trace
     from test_latency import grid_table
     trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
     cfg = cfg_for("method=[baseline,tree_cache]", "engine.dtype=float64")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.results import (ROLLOUT_SCHEMA, STEP_SCHEMA, ConfigMismatchError, RunFolderError,
+from bench.report.results import (ROLLOUT_SCHEMA, STEP_SCHEMA, ConfigMismatchError, RunFolderError,
                            RunWriter, load_run, rollout_row)
 from results_fixtures import fake_rollouts, run_config, unit_rows, write_fake_run
 
@@ -77,7 +77,7 @@ def test_unit_rows_must_match_the_unit(tmp_path):
 KILLED_WRITER = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, sys.argv[2])
-    import bench.results as R
+    import bench.report.results as R
     from results_fixtures import run_config, unit_rows
     w = R.RunWriter(sys.argv[1], run_config(), {})
     for step in range(3):

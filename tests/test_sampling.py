@@ -1,7 +1,7 @@
 """Coupled uniforms and processed distributions."""
 import torch
 
-from bench.sampling import (SamplingConfig, processed_probs, rollout_seed, sample_inverse_cdf,
+from bench.core.sampling import (SamplingConfig, processed_probs, rollout_seed, sample_inverse_cdf,
                             stable_hash, uniform_reference, uniforms)
 
 
@@ -79,8 +79,8 @@ def _full_sort_nucleus(probs, top_p):
 
 
 def test_top_p_prefilter_cuts_exactly_as_a_full_sort(monkeypatch):
-    import bench.sampling as sampling_mod
-    from bench.sampling import nucleus_drop
+    import bench.core.sampling as sampling_mod
+    from bench.core.sampling import nucleus_drop
     monkeypatch.setattr(sampling_mod, "TOP_P_CANDIDATES", (16, 256))  # small vocabularies exercise every branch
     g = torch.Generator().manual_seed(0)
     used = 0

@@ -11,14 +11,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import bench.verify as verify_mod
-from bench.benchmarks import PeakTensorBytes
-from bench.engines.base import Request
-from bench.engines.torch_ref import TorchRefEngine
-from bench.precision import divergence_summary, near_tie_threshold
-from bench.results import rollout_row
-from bench.sampling import SamplingConfig, rollout_seed
-from bench.verify import VerifyConfig, verify_nodes
+import bench.core.verify as verify_mod
+from bench.benchmarks.verify_scale import PeakTensorBytes
+from bench.core.engine_protocol import Request
+from bench.engines.torch.engine import TorchRefEngine
+from bench.core.precision import divergence_summary, near_tie_threshold
+from bench.report.results import rollout_row
+from bench.core.sampling import SamplingConfig, rollout_seed
+from bench.core.verify import VerifyConfig, verify_nodes
 from methods.base import Draft, RolloutKey
 from tiny_models import QWEN2_EOS, QWEN2_VOCAB, make_qwen2_checkpoint
 

@@ -6,15 +6,15 @@ import pytest
 
 from recording_drafter import recording
 
-from bench.drafting import drafter_mode
-from bench.engines.base import Request
-from bench.sampling import SamplingConfig
-from bench.simulate import run_step
+from bench.core.drafting import drafter_mode
+from bench.core.engine_protocol import Request
+from bench.core.sampling import SamplingConfig
+from bench.harness.simulate import run_step
 from bench.spec.recorded import recorded_rows
 from bench.spec.recorded import Recorded, RecordedBackend
 from bench.spec.scheduler import Scheduler
-from bench.spec_policy import SpecPolicy, TableLookup
-from bench.verify import VerifyConfig
+from bench.spec.policy import SpecPolicy, TableLookup
+from bench.core.verify import VerifyConfig
 from methods.base import Draft, NullDrafter, RolloutKey
 from methods.baseline import Baseline
 from methods.history_spec import HistorySpecDrafter
@@ -37,7 +37,7 @@ def gpu_like_table(path=None):
     """A latency table shaped like a GPU's at small scale: a fixed cost per pass plus a little per
     query token and per context token read, so drafting pays for some rows and batches, not others."""
     import pandas as pd
-    from bench.latency import LatencyTable
+    from bench.spec.latency import LatencyTable
     grid = [(r, q, c, 1e-3 + 2e-5 * r * q + 1e-7 * r * c) for r in (1, 4, 16, 64) for q in (1, 2, 4, 8, 16, 32, 64)
             for c in (8, 64, 512, 4096)]
     frame = pd.DataFrame(grid, columns=["rows", "query", "context", "seconds"])
@@ -86,9 +86,9 @@ def test_engine_and_simulator_agree_under_throughput_optimal_on_table_prices(tin
     """throughput_optimal decides from seconds; with every pass priced by one table and nothing else
     timed (torch_ref's engine.seconds=table, the simulator's prices) the engine and the simulator
     make the same decisions: the same drafter calls, caps, passes, forward seconds and counters."""
-    from bench.engines.torch_ref import TorchRefEngine
+    from bench.engines.torch.engine import TorchRefEngine
     from bench.spec.prices import TablePrices
-    from bench.trace import Trace
+    from bench.traces.format import Trace
     gpu_like_table(tmp_path / "table.csv")
     engine = TorchRefEngine(dtype="float64", spec_policy="throughput_optimal", latency_table=str(tmp_path / "table.csv"),
                             seconds="table")
@@ -105,8 +105,8 @@ def test_engine_and_simulator_drive_the_drafter_identically(tiny_trace, kind):
     """Every call a drafter gets, every pass's shape and every counter: the same on torch_ref (float64,
     the recorder's seed) and on the simulator over the recorded rollouts, for drafters that read
     the batch (Seer), adapt their length (RhymeRL) and insert in flight (SRT)."""
-    from bench.engines.torch_ref import TorchRefEngine
-    from bench.trace import Trace
+    from bench.engines.torch.engine import TorchRefEngine
+    from bench.traces.format import Trace
     engine = TorchRefEngine(dtype="float64", spec_policy=kind, spec_max_rows=3)
     for on_engine, _ in _engine_against_simulator(Trace.load(tiny_trace), engine, lambda: _policy(kind)):
         assert any(c[0] == "begin_iteration" for c in on_engine.calls)
@@ -226,10 +226,10 @@ def test_drafters_declare_what_they_draft():
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fixed", "batch_threshold", "throughput_optimal"])
 def test_the_simulator_cli_reproduces_a_cli_replay(tmp_path, policy):
-    """``python -m bench.cli`` on torch_ref (float64) and ``python -m bench.simulate`` on the same
+    """``python -m bench.harness.cli`` on torch_ref (float64) and ``python -m bench.harness.simulate`` on the same
     trace and steps: every exact method's counters per rollout and its iteration log, pass for pass
     (throughput_optimal: both priced by one table, the forward seconds equal too)."""
-    from bench.sim_check import check
+    from bench.harness.sim_check import check
     methods = ["baseline", "prefix_reuse_exact", "tree_cache", "hybrid", "history_spec", "das", "seer"]
     csv = None
     if policy == "throughput_optimal":

@@ -1,4 +1,4 @@
-"""bench.sim_validate: a run's measured speedups beside the simulator's priced schedule of its steps."""
+"""bench.harness.sim_validate: a run's measured speedups beside the simulator's priced schedule of its steps."""
 from __future__ import annotations
 
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.sim_validate import host_model, main, summary, validate, verify_per_token
+from bench.harness.sim_validate import host_model, main, summary, validate, verify_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,14 +23,14 @@ def test_host_model_is_fitted_on_the_baseline_alone():
 
 
 def test_the_verifier_costs_something_per_accepted_token():
-    from bench.sampling import SamplingConfig
+    from bench.core.sampling import SamplingConfig
     assert 0 < verify_per_token(145, SamplingConfig(temperature=1.0), tokens=32, repeats=5) < 1e-2
 
 
 @pytest.mark.slow
 def test_a_replay_and_its_simulation_priced(tmp_path):
     from test_scheduler import gpu_like_table
-    done = subprocess.run([sys.executable, "-m", "bench.cli", "trace=countdown_tiny", "method=[baseline,tree_cache]",
+    done = subprocess.run([sys.executable, "-m", "bench.harness.cli", "trace=countdown_tiny", "method=[baseline,tree_cache]",
                            "max_steps=2", "plots=false", "progress=false", "predict=[]", "run_id=val",
                            f"results_root={tmp_path / 'runs'}"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from bench.simulate import (FUTURE_ORACLE, SimulationError, load_input, main, method_config, oracle_passes,
+from bench.harness.simulate import (FUTURE_ORACLE, SimulationError, load_input, main, method_config, oracle_passes,
                             simulable_methods, simulate, summarize, synthetic_log)
 from methods.base import Draft, NullDrafter
 from methods.oracle import SuffixAutomaton
@@ -255,9 +255,9 @@ def _engine_counters(trace, cfg):
     """Replay every step on the torch reference engine in float64 with the trace's sampling and seed."""
     from hydra.utils import instantiate
 
-    from bench.engines.base import Request
-    from bench.engines.torch_ref import TorchRefEngine
-    from bench.verify import VerifyConfig
+    from bench.core.engine_protocol import Request
+    from bench.engines.torch.engine import TorchRefEngine
+    from bench.core.verify import VerifyConfig
     from methods.base import RolloutKey
 
     engine = TorchRefEngine(dtype="float64")
@@ -279,7 +279,7 @@ def _engine_counters(trace, cfg):
 
 @pytest.mark.slow
 def test_simulation_matches_the_engine_on_the_tiny_trace(tiny_trace):
-    from bench.trace import Trace
+    from bench.traces.format import Trace
     trace = Trace.load(tiny_trace)
     steps, prompts, max_new = load_input(tiny_trace)
     keys = ["step", "prompt_id", "sample_idx"]
@@ -304,7 +304,7 @@ def test_a_simulated_schedule_priced_through_a_hand_made_table():
     """One rollout [5, 6, 7, 8, EOS] after a 2-token prompt. The baseline's schedule: a prefill of
     2 tokens, then 4 one-token passes; the future oracle's: one pass of 2 + 5 tokens. A table of
     1 ms per query token (any rows, any context) prices them at 6 ms and 7 ms."""
-    from bench.latency import LatencyTable, predict_iterations
+    from bench.spec.latency import LatencyTable, predict_iterations
     step = step_table([("a", 0, [5, 6, 7, 8, EOS])])
     rows = simulate({0: step}, {"a": [9, 9]}, {"baseline": method_config("baseline"),
                                               FUTURE_ORACLE: method_config(FUTURE_ORACLE)}, max_new_tokens=16)
@@ -355,7 +355,7 @@ def test_throughput_optimal_is_simulated_by_one_targets_prices(tmp_path, capsys)
 
 
 def test_a_roofline_read_as_a_table_is_the_roofline():
-    from bench.roofline import Hardware, ModelShape, RooflineTable, roofline_seconds
+    from bench.spec.roofline import Hardware, ModelShape, RooflineTable, roofline_seconds
     hw, model = Hardware.named("h200"), ModelShape.named("llama-3.1-8b")
     table = RooflineTable(hw, model)
     got = table.query_seconds(8, [1, 4], 512.0)

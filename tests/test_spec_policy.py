@@ -7,9 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from bench.engines.torch_timing import robust_seconds
-from bench.latency import LatencyTable
-from bench.spec_policy import CONTEXT_STEP, AcceptanceTracker, LinearFit, SpecPolicy, TableLookup
+from bench.engines.torch.timing import robust_seconds
+from bench.spec.latency import LatencyTable
+from bench.spec.policy import CONTEXT_STEP, AcceptanceTracker, LinearFit, SpecPolicy, TableLookup
 from methods.base import Draft
 
 

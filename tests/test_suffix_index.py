@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from methods.suffix_index import SuffixIndex
-from methods.suffix_tree import START, SuffixTrie, make_tree, resolve_backend
+from methods.suffix.index import SuffixIndex
+from methods.suffix.tree import START, SuffixTrie, make_tree, resolve_backend
 
 
 def _all_drafts(trie, index, rng, live, vocab, depth, tree):

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from methods.suffix_tree import ROOT, START, ContextMatcher, NativeSuffixTree, SuffixTrie
+from methods.suffix.tree import ROOT, START, ContextMatcher, NativeSuffixTree, SuffixTrie
 
 
 def trie_of(*seqs, depth=8):
@@ -453,7 +453,7 @@ def test_native_tree_pickles_as_its_log_and_drafts_identically_after_loading():
 
 
 def test_backend_choice_never_changes_a_rule(monkeypatch):
-    from methods import suffix_tree
+    from methods.suffix import tree as suffix_tree
     from methods.tree_cache import TreeCacheDrafter
     with pytest.raises(ValueError, match="backend must be one of"):
         suffix_tree.resolve_backend("cuda")

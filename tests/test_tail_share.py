@@ -1,10 +1,10 @@
-"""tail_share (bench.stats): the share of a step's rollout wall time with at most 8 live rows, and the
-live-rows curve of the figure (bench.live_rows_plot), on hand-made iterations.parquet rows."""
+"""tail_share (bench.report.stats): the share of a step's rollout wall time with at most 8 live rows, and the
+live-rows curve of the figure (bench.report.live_rows_plot), on hand-made iterations.parquet rows."""
 import pandas as pd
 import pytest
 
-from bench.live_rows_plot import live_rows_curve
-from bench.stats import tail_share
+from bench.report.live_rows_plot import live_rows_curve
+from bench.report.stats import tail_share
 
 
 def _iterations(rows):

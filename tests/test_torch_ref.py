@@ -5,11 +5,11 @@ import random
 import pytest
 import torch
 
-from bench.engines.base import Request
+from bench.core.engine_protocol import Request
 from bench.engines.checkpoint import CheckpointError
-from bench.engines.torch_ref import TorchRefEngine
-from bench.sampling import SamplingConfig
-from bench.verify import VerifyConfig
+from bench.engines.torch.engine import TorchRefEngine
+from bench.core.sampling import SamplingConfig
+from bench.core.verify import VerifyConfig
 from methods.base import Draft, NullDrafter, RolloutKey
 from methods.baseline import Baseline
 from methods.oracle import OracleDrafter
@@ -275,7 +275,7 @@ def test_token_identity_on_gpu(ckpts, name):
 
 
 def test_slot_cache_keeps_rows_in_place_and_reuses_freed_ones():
-    from bench.engines.kv_slots import SlotKVCache
+    from bench.engines.torch.kv_slots import SlotKVCache
     cache = SlotKVCache(capacity=6)
     cache.add_rows(4, 6)
     keys = torch.arange(4 * 1 * 3 * 2, dtype=torch.float32).reshape(4, 1, 3, 2)
@@ -300,8 +300,8 @@ def test_no_pass_reads_cache_memory_before_it_is_zeroed_or_written(ckpts, engine
     reused (a live-batch cap), the prompts grow the capacity, tree drafts move accepted slots."""
     import functools
 
-    import bench.engines.torch_block as tb  # where the backend builds its cache
-    from bench.engines.kv_slots import SlotKVCache
+    import bench.engines.torch.block as tb  # where the backend builds its cache
+    from bench.engines.torch.kv_slots import SlotKVCache
     reqs, sampling = requests(8), SAMPLINGS["t1"]
     reqs.append(Request(RolloutKey("long", 0), [0] + [5 + j % 20 for j in range(30)], 1))  # admitted last: grows
     capped = TorchRefEngine(dtype="float64", max_batch_size=3)
@@ -318,7 +318,7 @@ def test_no_pass_reads_cache_memory_before_it_is_zeroed_or_written(ckpts, engine
 
 
 def test_slot_cache_zeroes_new_rows_and_slots_as_far_as_passes_read():
-    from bench.engines.kv_slots import SlotKVCache
+    from bench.engines.torch.kv_slots import SlotKVCache
     cache = SlotKVCache(capacity=4, poison=True)
     cache.add_rows(2, 4)
     cache.set_block(torch.tensor([[0, 1], [0, 1]]), 3)  # a pass reading 3 slots, writing 2 of them
@@ -338,7 +338,7 @@ def test_long_chain_blocks_in_query_chunks_give_the_same_tokens(engine64, monkey
     """A block whose mask would pass MASK_BYTES runs its queries in chunks (memory rows x chunk x
     context instead of rows x queries x context): the same tokens and logprobs, first drafts of a
     whole rollout included."""
-    import bench.engines.torch_block as tb
+    import bench.engines.torch.block as tb
     reqs, sampling = requests(6), SAMPLINGS["t1"]
     base = engine64.rollout(reqs, sampling, Baseline(), VerifyConfig())
     futures = {r.key: r.token_ids for r in base}

@@ -11,9 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.trace import Trace, TraceError, TraceSampling, TraceWriter
-from bench.trace_import import find_checkpoints, import_trace
-from bench.trace_import import main as import_main
+from bench.traces.format import Trace, TraceError, TraceSampling, TraceWriter
+from bench.traces.importer import find_checkpoints, import_trace
+from bench.traces.importer import main as import_main
 
 SAMPLING = TraceSampling(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=16, n=2, seed=3)
 
@@ -21,8 +21,8 @@ SAMPLING = TraceSampling(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=16,
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
     """A real tiny policy checkpoint (random weights) with the recorder's tokenizer."""
-    from bench.record.model import ModelConfig, build_model, save_checkpoint
-    from bench.record.tokenizer import build_tokenizer
+    from bench.traces.record.model import ModelConfig, build_model, save_checkpoint
+    from bench.traces.record.tokenizer import build_tokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -112,7 +112,7 @@ def _break_vocab(root, ckpt):
 
 def _break_tokenizer(root, ckpt):
     # same size, other ids: a tokenizer of another alphabet order would feed wrong ids silently
-    from bench.record.tokenizer import ALPHABET, build_tokenizer
+    from bench.traces.record.tokenizer import ALPHABET, build_tokenizer
     build_tokenizer(ALPHABET[::-1]).save_pretrained(str(root / "checkpoints/step_00001"))
 
 
@@ -287,7 +287,7 @@ SPARSE_METHODS = ["baseline", "prefix_reuse_exact", "tree_cache", "tree_cache_tr
 def _specs(methods):
     from hydra import compose, initialize_config_dir
 
-    from bench.cli import CONF_DIR, method_specs
+    from bench.harness.cli import CONF_DIR, method_specs
     with initialize_config_dir(CONF_DIR, version_base="1.3"):
         cfg = compose("bench", overrides=["trace=countdown_tiny", "progress=false", "plots=false",
                                           "method=[" + ",".join(methods) + "]"])
@@ -295,9 +295,9 @@ def _specs(methods):
 
 
 def _replay(trace, steps, run_dir, methods, **kw):
-    from bench.engines.torch_ref import TorchRefEngine
-    from bench.replay import replay
-    from bench.results import RunWriter, load_run
+    from bench.engines.torch.engine import TorchRefEngine
+    from bench.harness.replay import replay
+    from bench.report.results import RunWriter, load_run
     config = {"trace": {"name": trace.name}, "engine": {"name": "torch_ref"}, "methods": methods}
     replay(trace, TorchRefEngine(dtype="float32"), _specs(methods), trace.sampling.to_config(),
            RunWriter(run_dir, config), steps, progress=False, labels={"trace": trace.name, "engine": "torch_ref"},
@@ -351,8 +351,8 @@ def test_sparse_replay_warms_drafters_as_a_dense_replay_does(tiny_trace, tmp_pat
 def test_sparse_replay_resumes_exactly_at_every_unit_boundary(tiny_trace, tmp_path):
     """The feeding of the rollouts-only steps belongs to the unit after it: killed after every unit
     and resumed, the run equals the uninterrupted one in every counted column."""
-    from bench.replay import ReplayInterrupted
-    from bench.results import load_run
+    from bench.harness.replay import ReplayInterrupted
+    from bench.report.results import load_run
     methods = ["baseline", "tree_cache", "hybrid", "suffix_global"]
     trace = Trace.load(sparse_copy(tiny_trace, tmp_path / "sparse", keep={1, 3, 5}))
     whole = _replay(trace, None, tmp_path / "whole", methods)

@@ -16,10 +16,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.errors import UserError
-from bench.trace import TraceError
-from bench.trace_import import RETOKENIZED_NOTE, import_trace, read_dump
-from bench.trace_import import main as import_main
+from bench.core.errors import UserError
+from bench.traces.format import TraceError
+from bench.traces.importer import RETOKENIZED_NOTE, import_trace, read_dump
+from bench.traces.importer import main as import_main
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -27,8 +27,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
 @pytest.fixture(scope="module")
 def run_tok(tmp_path_factory):
     """The run's tokenizer (the recorder's char tokenizer) and a checkpoint of it."""
-    from bench.record.model import ModelConfig, build_model, save_checkpoint
-    from bench.record.tokenizer import build_tokenizer
+    from bench.traces.record.model import ModelConfig, build_model, save_checkpoint
+    from bench.traces.record.tokenizer import build_tokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
     tok = build_tokenizer()
@@ -58,7 +58,7 @@ def test_dump_reads_as_rollouts(run_tok, fmt, path, steps):
 
 @pytest.mark.parametrize("fmt, path", [("verl", FIXTURES / "verl_dump"), ("trl", FIXTURES / "trl_run")])
 def test_dump_becomes_a_simulation_log_and_simulates(run_tok, tmp_path, fmt, path, capsys):
-    from bench.simulate import main as simulate_main
+    from bench.harness.simulate import main as simulate_main
     _, root = run_tok
     import_main(["--dump", str(path), "--dump-format", fmt, "--tokenizer", str(root / "tokenizer"),
                  "--log-out", str(tmp_path / "log")])
@@ -122,7 +122,7 @@ def test_cli_prints_a_bad_dump_as_one_line(run_tok, tmp_path):
     import sys
     _, root = run_tok
     bad = _write(tmp_path / "d" / "1.jsonl", [{"input": "1 2 3>6:", "step": 1}])
-    proc = subprocess.run([sys.executable, "-m", "bench.trace_import", "--dump", str(bad.parent), "--tokenizer",
+    proc = subprocess.run([sys.executable, "-m", "bench.traces.importer", "--dump", str(bad.parent), "--tokenizer",
                            str(root / "tokenizer"), "--log-out", str(tmp_path / "log")],
                           capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert proc.returncode == 2

@@ -14,8 +14,8 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from bench.errors import DEBUG_ENV, UserError
-from bench.stats import mean_ci95, t95
+from bench.core.errors import DEBUG_ENV, UserError
+from bench.report.stats import mean_ci95, t95
 from bench.train import cli
 from bench.train.loop import StopAfter, TrainConfig, run_training
 from bench.train.report import load_runs, report_text, summarize, write_report

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from bench.sampling import SamplingConfig, rollout_seed
-from bench.verify import VerifyConfig, descend, ratio_accept, verify_batch
+from bench.core.sampling import SamplingConfig, rollout_seed
+from bench.core.verify import VerifyConfig, descend, ratio_accept, verify_batch
 from methods.base import Draft
 
 T1 = SamplingConfig(temperature=1.0)
@@ -176,7 +176,7 @@ def _accepting_case(rng: random.Random, V: int, tree: bool, ratio: bool, n_max: 
 @pytest.mark.parametrize("sampling", [T1, SamplingConfig(top_p=0.8, temperature=0.7), SamplingConfig(temperature=0)],
                          ids=["t1", "top_p", "greedy"])
 def test_windowed_verification_gives_the_unwindowed_verdict(sampling, monkeypatch):
-    import bench.verify as verify_mod
+    import bench.core.verify as verify_mod
     rng = random.Random(3)
     rules = ["exact", "ratio"] + (["greedy"] if sampling.greedy else [])
     longest = 0

@@ -1,7 +1,7 @@
 """Inference engines behind one protocol; heavy engines are imported only when asked for."""
 from __future__ import annotations
 
-from .base import Engine, Request
+from bench.core.engine_protocol import Engine, Request
 
 ENGINE_EXTRAS = {"torch_ref": None, "vllm": "vllm", "sglang": "sglang"}
 
@@ -9,14 +9,14 @@ ENGINE_EXTRAS = {"torch_ref": None, "vllm": "vllm", "sglang": "sglang"}
 def make_engine(name: str, **kwargs) -> Engine:
     """Build an engine by name; an engine whose package is missing names the extra to install."""
     if name == "torch_ref":
-        from .torch_ref import TorchRefEngine
+        from bench.engines.torch.engine import TorchRefEngine
         return TorchRefEngine(**kwargs)
     if name == "sglang":
-        from .sglang import SGLangEngine, import_sglang
+        from bench.engines.sglang.adapter import SGLangEngine, import_sglang
         import_sglang(kwargs.get("device", "cpu"))  # fail now, with the install hint, not at load()
         return SGLangEngine(**kwargs)
     if name == "vllm":
-        from .vllm import VLLMEngine  # imports no vLLM until the engine is built
+        from bench.engines.vllm.adapter import VLLMEngine  # imports no vLLM until the engine is built
         return VLLMEngine(**kwargs)
     if name in ENGINE_EXTRAS:
         raise NotImplementedError(

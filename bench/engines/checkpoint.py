@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UserError
+from bench.core.errors import UserError
 
 
 class CheckpointError(UserError, ValueError):

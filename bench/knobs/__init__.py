@@ -1,7 +1,7 @@
 """Every config knob declared once, typed and range-checked, so a bad value is refused before a run starts.
 
-    python -m bench.cli --methods                    # every method: what it drafts, its verify rule
-    python -m bench.cli method=tree_cache --knobs    # its knobs: type, default, range, where the default comes from
+    python -m bench.harness.cli --methods                    # every method: what it drafts, its verify rule
+    python -m bench.harness.cli method=tree_cache --knobs    # its knobs: type, default, range, where the default comes from
     python -m bench.knobs docs --write               # regenerate docs/methods.md from these schemas
 
 A :class:`Knob` is one setting (type, default, range or choices, a one-line meaning and the source
@@ -17,7 +17,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import UserError
+from bench.core.errors import UserError
 
 TYPES = ("int", "float", "bool", "str", "list", "dict")
 SOURCES = ("paper", "released code", "suite")  # where a default comes from

@@ -1,6 +1,6 @@
 """``python -m bench.knobs``: print the knob tables, or regenerate docs/methods.md from the schemas.
 
-    python -m bench.knobs                 # every method's knobs (as python -m bench.cli --knobs)
+    python -m bench.knobs                 # every method's knobs (as python -m bench.harness.cli --knobs)
     python -m bench.knobs docs --write    # docs/methods.md, rewritten from bench/knobs/
     python -m bench.knobs docs --check    # exit 1 when docs/methods.md is stale
 """
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from .listing import docs_text, knobs_text
+from bench.core.paths import DOCS_DIR
+from bench.knobs.listing import docs_text, knobs_text
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "methods.md"
+DOCS = DOCS_DIR / "methods.md"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
-"""The composed config checked against the schemas, before bench.cli loads a trace or writes anything.
+"""The composed config checked against the schemas, before bench.harness.cli loads a trace or writes anything.
 
     from bench.knobs.check import validate; validate(cfg)    # raises UserError with one line
 
-bench.cli.prepare calls :func:`validate` first: every method's drafter knobs, verify rule and entry
+bench.harness.cli.prepare calls :func:`validate` first: every method's drafter knobs, verify rule and entry
 keys, the engine's settings and the sampling group. A drafter class or engine without a schema (a
 config from another search path) is left to its constructor's own checks.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import UserError
-from . import Knob, check_all, check_keys, check_value
-from .engines import ENGINES, SAMPLING, VERIFY
-from .methods import DRAFTERS, METHODS
-from .run import EXPERIMENT, GROUPS, TRACE
+from bench.core.errors import UserError
+from bench.knobs import Knob, check_all, check_keys, check_value
+from bench.knobs.engines import ENGINES, SAMPLING, VERIFY
+from bench.knobs.methods import DRAFTERS, METHODS
+from bench.knobs.run import EXPERIMENT, GROUPS, TRACE
 
 ENTRY_KEYS = ("name", "drafter", "verify", "run_ahead")  # the keys of one conf/method/*.yaml
 RUN_AHEAD = Knob("run_ahead", "bool", False, "admit next-step prompts when the batch shrinks")
@@ -38,7 +38,7 @@ def validate(cfg: DictConfig) -> None:
 
 
 def validate_methods(cfg: DictConfig) -> None:
-    """Every ``method.NAME`` node of a config (bench.cli's and bench.train's)."""
+    """Every ``method.NAME`` node of a config (bench.harness.cli's and bench.train's)."""
     for name, entry in (cfg.get("method") or {}).items():
         if isinstance(entry, DictConfig):
             validate_method(str(name), _plain(entry))
@@ -46,7 +46,7 @@ def validate_methods(cfg: DictConfig) -> None:
 
 def validate_method(name: str, entry: dict) -> None:
     """One ``method.NAME`` node: its keys, run_ahead, verify and (for a known class) its drafter knobs."""
-    where = f"see conf/method/{name}.yaml; python -m bench.cli method={name} --knobs lists them"
+    where = f"see conf/method/{name}.yaml; python -m bench.harness.cli method={name} --knobs lists them"
     check_keys(ENTRY_KEYS, entry, f"method.{name}", where, noun="key")
     method = METHODS.get(name)
     run_ahead, *verify_knobs = method.entry_knobs() if method else (RUN_AHEAD, *VERIFY)
@@ -56,23 +56,23 @@ def validate_method(name: str, entry: dict) -> None:
         check_all(tuple(verify_knobs), entry["verify"], f"method.{name}.verify", where, noun="key")
     drafter = entry.get("drafter")
     if not isinstance(drafter, dict) or drafter.get("_target_") not in DRAFTERS:
-        return  # no drafter: bench.cli says how to select a method; an unknown class checks itself
+        return  # no drafter: bench.harness.cli says how to select a method; an unknown class checks itself
     values = {k: v for k, v in drafter.items() if not k.startswith("_")}
     check_all(DRAFTERS[drafter["_target_"]], values, f"method.{name}.drafter", where,
               head=f"method.{name}.drafter cannot be built: it has")
 
 
 def validate_engine(settings: dict) -> None:
-    """The ``engine`` node of a known engine (an unknown name is bench.cli's to refuse)."""
+    """The ``engine`` node of a known engine (an unknown name is bench.harness.cli's to refuse)."""
     name = settings.get("name")
     if name not in ENGINES:
         return
     values = {k: v for k, v in settings.items() if k != "name"}
-    check_all(ENGINES[name], values, "engine", f"settings: conf/engine/{name}.yaml; python -m bench.cli "
+    check_all(ENGINES[name], values, "engine", f"settings: conf/engine/{name}.yaml; python -m bench.harness.cli "
               f"engine={name} --knobs lists them", head=f"engine={name} has", noun="setting")
     if values.get("seconds") == "table" and values.get("latency_table") is None:
         raise UserError("engine.seconds=table prices every pass by engine.latency_table, which is null: set "
-                        "engine.latency_table=auto or a CSV from python -m bench.latency profile")
+                        "engine.latency_table=auto or a CSV from python -m bench.benchmarks latency profile")
 
 
 def validate_run(values: dict) -> None:
@@ -116,8 +116,8 @@ def check_override_keys(args: list[str], top_level: bool = True) -> None:
     for arg, path in parsed:
         known = _known_names(path, engine, top_level)
         if known is not None and path[-1] not in known:
-            where = ("conf/bench.yaml" if len(path) == 1 else f"python -m bench.cli method={path[1]} --knobs"
-                     if path[0] == "method" else f"python -m bench.cli engine={engine} --knobs"
+            where = ("conf/bench.yaml" if len(path) == 1 else f"python -m bench.harness.cli method={path[1]} --knobs"
+                     if path[0] == "method" else f"python -m bench.harness.cli engine={engine} --knobs"
                      if path[0] == "engine" else f"conf/{path[0]}/")
             check_keys(known, {path[-1]: arg.split("=", 1)[1]}, ".".join(path[:-1]), f"see {where}",
                        head=None if len(path) > 1 else "the config has", noun="key")

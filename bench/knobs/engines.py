@@ -1,17 +1,17 @@
 """Each engine's settings, the sampling group and the verify rule declared once (no torch or engine import).
 
-    python -m bench.cli engine=vllm --knobs     # one engine's table, from ENGINES below
+    python -m bench.harness.cli engine=vllm --knobs     # one engine's table, from ENGINES below
 
 ``ENGINES`` maps conf/engine/NAME.yaml to its settings in the engine constructor's order (``name``
 selects the engine and is not a setting); ``SAMPLING`` is conf/sampling/ (null: the trace's recorded
 value); ``VERIFY`` is each method's ``verify`` node. tests/test_knobs.py checks them against the
-constructors, bench.sampling.SamplingConfig, bench.verify and the YAML files.
+constructors, bench.core.sampling.SamplingConfig, bench.core.verify and the YAML files.
 """
 from __future__ import annotations
 
-from . import Knob
+from bench.knobs import Knob
 
-DTYPES = ("bfloat16", "float16", "float32", "float64")  # bench/engines/torch_ref.py DTYPES
+DTYPES = ("bfloat16", "float16", "float32", "float64")  # bench/engines/torch/engine.py DTYPES
 VLLM = "vLLM's offline LLM"
 SGL = "SGLang's offline Engine"
 _PLAIN = "drafter modes served by an engine with no speculative config ([] = all on the speculative one)"
@@ -31,9 +31,9 @@ ENGINES: dict[str, tuple[Knob, ...]] = {
         Knob("spec_max_rows", "int", 32, "batch_threshold: no drafts while more rows than this are live",
              "paper", "TLT / FastRL bs_threshold 32", lo=0),
         Knob("latency_table", "str", None, "throughput_optimal and seconds=table: auto (profiled once) or a CSV from "
-             "bench.latency profile", nullable=True),
+             "bench.benchmarks latency profile", nullable=True),
         Knob("seconds", "str", "measured", "measured: the clock; table: every pass priced by latency_table and "
-             "nothing else timed (reproducible decisions, equal to bench.simulate)", choices=("measured", "table")),
+             "nothing else timed (reproducible decisions, equal to bench.harness.simulate)", choices=("measured", "table")),
     ),
     "vllm": (
         Knob("dtype", "str", "float32", "vLLM's dtype (float32 as torch_ref's default)",
@@ -49,7 +49,7 @@ ENGINES: dict[str, tuple[Knob, ...]] = {
              "tree methods' max_spec_tokens)", lo=1),
         Knob("max_num_seqs", "int", 256, "vLLM's batch limit", "released code", VLLM, lo=1),
         Knob("seed", "int", 0, "vLLM's engine seed (each request also gets its own)", lo=0),
-        Knob("spec_verify", "str", "auto", "who verifies drafts after the first: vllm, python (bench.verify), "
+        Knob("spec_verify", "str", "auto", "who verifies drafts after the first: vllm, python (bench.core.verify), "
              "auto (python at T > 0 on CPU)", choices=("auto", "vllm", "python")),
         Knob("plain_engine_for", "list", ["baseline", "prefix"], _PLAIN),
         Knob("extra", "dict", {}, "any other vllm.LLM keyword argument"),

@@ -1,6 +1,6 @@
 """Each method's knobs declared once: every drafter constructor's parameters, and what each method sets.
 
-    python -m bench.cli method=das --knobs      # one method's table, from DRAFTERS and METHODS below
+    python -m bench.harness.cli method=das --knobs      # one method's table, from DRAFTERS and METHODS below
 
 ``DRAFTERS`` maps a drafter class (the ``_target_`` of conf/method/*.yaml) to its knobs, in the
 constructor's order and with its defaults; ``METHODS`` lists each method config: the class, what it
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from methods.suffix_tree import BACKENDS
+from methods.suffix.tree import BACKENDS
 from methods.tree_cache import MATCH_RULES
 
-from . import Knob
+from bench.knobs import Knob
 
 SRT = "SRT (arXiv 2601.09083)"
 SFX = "SuffixDecoding as released in ArcticInference / vLLM method: suffix"
@@ -145,7 +145,7 @@ class Method:
 
     def entry_knobs(self) -> tuple[Knob, ...]:
         """The method entry's own settings beside ``drafter``: run_ahead and the verify rule."""
-        from .engines import VERIFY
+        from bench.knobs.engines import VERIFY
         rule, lenience = VERIFY
         lossy = self.rule == "ratio"
         return (Knob("run_ahead", "bool", self.run_ahead, "admit next-step prompts when the batch shrinks "

@@ -1,20 +1,20 @@
 """The trace group and the run's own options (conf/bench.yaml's top-level keys) declared once.
 
-    python -m bench.cli max_steps=0        # refused by EXPERIMENT's max_steps before anything is written
+    python -m bench.harness.cli max_steps=0        # refused by EXPERIMENT's max_steps before anything is written
 
 ``TRACE`` is conf/trace/*.yaml; ``EXPERIMENT`` is every top-level key of conf/bench.yaml that is not a
-config group. Checks that need the trace itself (``steps`` naming recorded steps) stay in bench.cli.
+config group. Checks that need the trace itself (``steps`` naming recorded steps) stay in bench.harness.cli.
 tests/test_knobs.py compares both with the YAML files.
 """
 from __future__ import annotations
 
-from . import Knob
+from bench.knobs import Knob
 
 GROUPS = ("trace", "engine", "method", "sampling")  # the config groups with schemas of their own
 
 TRACE: tuple[Knob, ...] = (
     Knob("name", "str", "countdown-search", "the trace's name (a bundled one is recorded on first use)"),
-    Knob("path", "str", None, "a trace directory (python -m bench.trace_import makes one); null: the bundled "
+    Knob("path", "str", None, "a trace directory (python -m bench.traces.importer makes one); null: the bundled "
          "trace called name", nullable=True),
     Knob("tiny", "bool", False, "record the bundled trace at the tests' tiny size"),
 )

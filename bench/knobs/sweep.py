@@ -1,6 +1,6 @@
 """Every job of a Hydra sweep checked before the first one starts.
 
-    python -m bench.cli -m method=tree_cache method.tree_cache.drafter.max_spec_tokens=8,-5
+    python -m bench.harness.cli -m method=tree_cache method.tree_cache.drafter.max_spec_tokens=8,-5
 
 Hydra composes and launches one job at a time, so a bad value in the third job of a sweep would
 surface after two jobs have run and written results. :func:`validate_sweep` expands the sweep as
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..errors import UserError
+from bench.core.errors import UserError
 
 FLAGS = ("-m", "--multirun")
 

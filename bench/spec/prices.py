@@ -1,7 +1,7 @@
 """Seconds that read no clock: every pass priced by a latency table, for any backend.
 
-    python -m bench.cli engine.seconds=table engine.latency_table=results/latency/here.csv ...
-    python -m bench.simulate TRACE --policy throughput_optimal --table results/latency/here.csv
+    python -m bench.harness.cli engine.seconds=table engine.latency_table=results/latency/here.csv ...
+    python -m bench.harness.simulate TRACE --policy throughput_optimal --table results/latency/here.csv
 
 Why: ``throughput_optimal`` decides from seconds, and seconds measured on a machine differ from
 run to run, so two runs of it (the engine and the simulator, or a run and its resume) may draft
@@ -33,12 +33,12 @@ class TablePrices:
     """A pass of ``rows`` rows, each padded to ``width`` query tokens (``query_tokens`` in all), at
     mean context ``context`` costs the table's seconds: a ``LatencyTable`` read through a memo of
     its own (``TableLookup``, as the policy reads it), or a table with a ``price`` of its own (the
-    roofline prices the real query tokens, as ``bench.latency.pass_seconds`` does)."""
+    roofline prices the real query tokens, as ``bench.spec.latency.pass_seconds`` does)."""
 
     def __init__(self, table):
-        from ..spec_policy import TableLookup
+        from bench.spec.policy import TableLookup
         if not hasattr(table, "query_seconds"):
-            raise ValueError("priced seconds need a latency table (python -m bench.latency profile writes one)")
+            raise ValueError("priced seconds need a latency table (python -m bench.benchmarks latency profile writes one)")
         self.table = table
         self.lookup = TableLookup(table)
 

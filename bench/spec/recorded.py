@@ -1,7 +1,7 @@
 """The simulator's backend: "verification" reads the recorded rollout, so the scheduler drives a
 drafter over a real run's log with no model and the same schedule as the engine.
 
-    python -m bench.simulate TRACE_DIR --method tree_cache          # uses it
+    python -m bench.harness.simulate TRACE_DIR --method tree_cache          # uses it
     pytest tests/test_simulate.py -k engine                          # simulator == torch_ref
 
 Under coupled sampling the exact rule accepts a draft token exactly when it equals the coupled
@@ -17,10 +17,10 @@ from typing import Mapping
 
 from methods.base import Draft, Drafter, Rollout, RolloutKey
 
-from ..engines.base import Request
-from ..sampling import SamplingConfig
-from ..verify import Verdict, VerifyConfig, descend, node_depths
-from .scheduler import LiveRow, PassResult
+from bench.core.engine_protocol import Request
+from bench.core.sampling import SamplingConfig
+from bench.core.verify import Verdict, VerifyConfig, descend, node_depths
+from bench.spec.scheduler import LiveRow, PassResult
 
 
 @dataclass

@@ -20,12 +20,12 @@ from typing import Any, Protocol, Sequence
 
 from methods.base import Draft, Drafter, Rollout
 
-from ..drafting import DraftCounters, drafts_mode, next_draft, settle, tell_verified
-from ..engines.base import Request, RunAheadSource, request_key64
-from ..sampling import SamplingConfig
-from ..spec_policy import SpecPolicy
-from ..verify import Verdict, VerifyConfig
-from .groups import forward_groups
+from bench.core.drafting import DraftCounters, drafts_mode, next_draft, settle, tell_verified
+from bench.core.engine_protocol import Request, RunAheadSource, request_key64
+from bench.core.sampling import SamplingConfig
+from bench.spec.policy import SpecPolicy
+from bench.core.verify import Verdict, VerifyConfig
+from bench.spec.groups import forward_groups
 
 
 @dataclass
@@ -74,7 +74,7 @@ class PassResult:
 
 
 class Backend(Protocol):
-    """What verifies: torch_ref (``bench.engines.torch_ref``) and the simulator (``bench.simulate``)."""
+    """What verifies: torch_ref (``bench.engines.torch.engine``) and the simulator (``bench.harness.simulate``)."""
 
     def stops(self, sampling: SamplingConfig) -> set[int]: ...
 
@@ -119,7 +119,7 @@ class Scheduler:
     def __init__(self, backend: Backend, policy: SpecPolicy, max_batch_size: int | None = None,
                  clock=time.perf_counter, prices=None):
         if prices is not None:
-            from .prices import VirtualClock
+            from bench.spec.prices import VirtualClock
             clock = VirtualClock()
         self.backend, self.policy, self.max_batch_size, self.clock = backend, policy, max_batch_size, clock
         self.prices = prices

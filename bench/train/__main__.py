@@ -1,4 +1,4 @@
 """``python -m bench.train``: see :mod:`bench.train.cli`."""
-from .cli import main
+from bench.train.cli import main
 
 main()

@@ -20,9 +20,9 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from ..cli import CONF_DIR, _check_methods, hydra_entry, method_specs
-from ..errors import UserError, exit_on_user_error
-from ..verify import VerifyConfig
+from bench.harness.cli import CONF_DIR, _check_methods, hydra_entry, method_specs
+from bench.core.errors import UserError, exit_on_user_error
+from bench.core.verify import VerifyConfig
 
 RUN_KEYS = ("task", "steps", "seed", "init_seed", "dtype", "heldout_prompts", "heldout_samples")
 
@@ -53,7 +53,7 @@ def identity_of(cfg: DictConfig, spec, lenience) -> dict:
     name = spec.name
     method = OmegaConf.to_container(cfg.method[name], resolve=True)
     method["verify"] = {"rule": spec.verify.rule, "lenience": spec.verify.lenience}
-    from .loop import TrainConfig
+    from bench.train.loop import TrainConfig
     train_cfg = TrainConfig(**{k: cfg.get(k) for k in RUN_KEYS})
     return {**{k: cfg.get(k) for k in RUN_KEYS}, "steps": train_cfg.num_steps,
             "warm_start": train_cfg.warm_start_key(), "method": name, "method_config": method,
@@ -67,7 +67,7 @@ def study_of(identity: dict) -> str:
 
 
 def run(cfg: DictConfig) -> Path:
-    from .loop import TrainConfig, run_training
+    from bench.train.loop import TrainConfig, run_training
     spec, label, lenience = setting_of(cfg)
     train_cfg = TrainConfig(**{k: cfg.get(k) for k in RUN_KEYS})
     identity = identity_of(cfg, spec, lenience)
@@ -82,7 +82,7 @@ def run(cfg: DictConfig) -> Path:
 
 
 def report(cfg: DictConfig) -> None:
-    from .report import report_text, write_report
+    from bench.train.report import report_text, write_report
     root = Path(hydra.utils.to_absolute_path(cfg.results_root))
     summary, per_step = write_report(root, Path(hydra.utils.to_absolute_path(cfg.figures_root)))
     print(report_text(summary))

@@ -1,6 +1,6 @@
 """The closed loop: GRPO on the bundled task with the rollouts of one method and verify rule.
 
-The recorder's loop (``bench.record.grpo``) with two changes that make it a comparison of methods:
+The recorder's loop (``bench.traces.record.grpo``) with two changes that make it a comparison of methods:
 rollouts come from the chosen method's drafter and rule (its caches live across steps, as they
 would in a trainer), and the old log-probs of the policy-gradient ratio are recomputed by the
 trainer's own forward pass, as verl does, rather than taken from the engine. So the update depends
@@ -30,14 +30,14 @@ from tqdm.auto import tqdm
 
 from methods.base import NullDrafter, RolloutKey
 
-from ..engines.base import Request
-from ..errors import UserError
-from ..record.grpo import RecordConfig, grpo_update, response_ids, step_prompts
-from ..replay import MethodSpec, RunAheadQueue
-from ..results import rollout_row, step_row
-from ..verify import VerifyConfig
-from .store import TrainRunFolder
-from .warmstart import ensure_warm_start, heldout_logprobs, load_heldout, padded_batch, problems_for, sampling_for
+from bench.core.engine_protocol import Request
+from bench.core.errors import UserError
+from bench.traces.record.grpo import RecordConfig, grpo_update, response_ids, step_prompts
+from bench.harness.replay import MethodSpec, RunAheadQueue
+from bench.report.results import rollout_row, step_row
+from bench.core.verify import VerifyConfig
+from bench.train.store import TrainRunFolder
+from bench.train.warmstart import ensure_warm_start, heldout_logprobs, load_heldout, padded_batch, problems_for, sampling_for
 
 TASKS = {"countdown": RecordConfig, "countdown-tiny": RecordConfig.tiny}
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -47,7 +47,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 class TrainConfig:
     """What a closed-loop run trains on; the method and rule come separately (``MethodSpec``)."""
 
-    task: str = "countdown"  # a bench.record preset: countdown (32 steps) or countdown-tiny (tests)
+    task: str = "countdown"  # a bench.traces.record preset: countdown (32 steps) or countdown-tiny (tests)
     steps: int | None = None  # None: the task's GRPO steps
     seed: int = 0  # the RL seed: coupled-sampling keys and the prompt order
     init_seed: int = 0  # the warm start's seed, shared by every run of a sweep
@@ -77,7 +77,7 @@ class TrainConfig:
 
     def warm_start_key(self) -> str:
         """Names the warm start and held-out set every run of this config starts from."""
-        from .warmstart import warm_start_key
+        from bench.train.warmstart import warm_start_key
         return warm_start_key(self.record_config(), self.heldout_prompts, self.heldout_samples)
 
 
@@ -135,9 +135,9 @@ def _train(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from ..engines.torch_ref import TorchRefEngine
-    from ..record import task as countdown
-    from ..record.model import save_checkpoint
+    from bench.engines.torch.engine import TorchRefEngine
+    from bench.traces.record import task as countdown
+    from bench.traces.record.model import save_checkpoint
 
     hf_logging.disable_progress_bar()
     rec = cfg.record_config()

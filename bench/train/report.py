@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..errors import UserError, run_main
-from ..stats import mean_ci95
-from .store import CONFIG, TrainRunFolder
-from .warmstart import mean_kl
+from bench.core.errors import UserError, run_main
+from bench.report.stats import mean_ci95
+from bench.train.store import CONFIG, TrainRunFolder
+from bench.train.warmstart import mean_kl
 
 BASELINE = "baseline"
 
@@ -105,7 +105,7 @@ def summarize(df: pd.DataFrame, last: int = 4) -> pd.DataFrame:
                    "reward_diff_vs_baseline": diff, "reward_diff_ci95": diff_ci,
                    "kl_final": float(last_rows["kl_from_baseline"].mean()) if len(last_rows) else np.nan,
                    "weights_identical": (bool(identical.all()) if len(identical) else None),
-                   # per rollout, as bench.stats' tokens_per_step: output tokens over the passes
+                   # per rollout, as bench.report.stats' tokens_per_step: output tokens over the passes
                    # that rollout took part in (1.0 for the baseline)
                    "tokens_per_pass": g["output_tokens"].sum() / max(1, g["rollout_passes"].sum()),
                    "acceptance_rate": (g["num_accepted_tokens"].sum() / g["num_draft_tokens"].sum()
@@ -136,7 +136,7 @@ def figure(steps: pd.DataFrame, study: str, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..plots import STYLE
+    from bench.report.plots import STYLE
     sdf = steps[steps["study"] == study]
     settings = sorted(sdf["setting"].unique(), key=lambda s: (s != BASELINE, s))
     palette = plt.get_cmap("tab10").colors

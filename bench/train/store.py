@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..errors import UserError
-from ..results import _TMP_PREFIX, _atomic_write_bytes
+from bench.core.errors import UserError
+from bench.report.results import _TMP_PREFIX, _atomic_write_bytes
 
 CONFIG = "config.json"
 
 
 def _atomic(path: Path, write) -> None:
-    """``write(file)`` into a hidden temp file, fsync'd, renamed onto ``path`` (bench.results')."""
+    """``write(file)`` into a hidden temp file, fsync'd, renamed onto ``path`` (bench.report.results')."""
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write_bytes(path, write)
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import UserError
-from ..record import task as countdown
-from ..record.cache import cache_root
-from ..record.grpo import RecordConfig, response_ids
-from ..trace import publish_dir
+from bench.core.errors import UserError
+from bench.traces.record import task as countdown
+from bench.traces.record.cache import cache_root
+from bench.traces.record.grpo import RecordConfig, response_ids
+from bench.traces.format import publish_dir
 
 WARMSTART_VERSION = 1
 HELDOUT_FILE = "heldout.json"
@@ -89,11 +89,11 @@ def _train_warm_start(out: Path, cfg: RecordConfig, heldout_prompts: int, heldou
     from methods.base import RolloutKey
     from methods.baseline import Baseline
 
-    from ..engines.base import Request
-    from ..engines.torch_ref import TorchRefEngine
-    from ..record.model import build_model, save_checkpoint
-    from ..record.sft import sft
-    from ..verify import VerifyConfig
+    from bench.core.engine_protocol import Request
+    from bench.engines.torch.engine import TorchRefEngine
+    from bench.traces.record.model import build_model, save_checkpoint
+    from bench.traces.record.sft import sft
+    from bench.core.verify import VerifyConfig
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # deterministic, and the fastest for a tiny model on a shared machine
@@ -122,7 +122,7 @@ def _train_warm_start(out: Path, cfg: RecordConfig, heldout_prompts: int, heldou
 
 def sampling_for(cfg: RecordConfig, seed: int):
     """The task's sampling (temperature, top-p/k, max new tokens) under coupled-sampling seed ``seed``."""
-    from ..sampling import SamplingConfig
+    from bench.core.sampling import SamplingConfig
     return SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                           max_new_tokens=cfg.max_new_tokens, seed=seed)
 

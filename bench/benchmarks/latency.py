@@ -1,0 +1,92 @@
+"""Latency tables on this machine, and a run's rollout seconds predicted on other hardware.
+
+    python -m bench.benchmarks latency profile --checkpoint CKPT --out table.csv        # this machine, torch_ref
+    python -m bench.benchmarks latency predict RUN --table table.csv                    # through a measured table
+    python -m bench.benchmarks latency predict RUN --hardware h200 --model llama-3.1-8b # through a roofline
+
+The table's format and the pricing live in ``bench.spec.latency``; the profiling in
+``bench.engines.torch.timing``; reading a run's logs in ``bench.report.prediction``.
+"""
+from __future__ import annotations
+import argparse
+from pathlib import Path
+from bench.core.errors import UserError, run_main
+from bench.spec.roofline import Hardware, ModelShape, _names
+from bench.spec.latency import DEFAULT_CONTEXT
+from bench.spec.latency import DEFAULT_QUERY
+from bench.spec.latency import DEFAULT_ROWS
+from bench.spec.latency import LatencyTable
+from bench.spec.latency import extrapolation_note
+from bench.report.prediction import predict
+from bench.spec.latency import prediction_error
+from bench.engines.torch.timing import profile
+from bench.spec.latency import summarize_prediction
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError as exc:
+        raise UserError(f"{text!r} is not a comma-separated list of integers") from exc
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.benchmarks latency", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("profile", help="time forward passes over a grid on this machine (torch_ref)")
+    p.add_argument("--checkpoint", help="HF checkpoint dir (default: the last checkpoint of the main job's trace, countdown-search)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--rows", default=",".join(map(str, DEFAULT_ROWS)))
+    p.add_argument("--query", default=",".join(map(str, DEFAULT_QUERY)))
+    p.add_argument("--context", default=",".join(map(str, DEFAULT_CONTEXT)))
+    p.add_argument("--repeats", type=int, default=5)
+    q = sub.add_parser("predict", help="predicted rollout seconds of a run on a table or a roofline")
+    q.add_argument("run", type=Path)
+    q.add_argument("--table", type=Path)
+    q.add_argument("--hardware", help=f"one of {', '.join(_names('hardware'))}")
+    q.add_argument("--model", help=f"one of {', '.join(_names('model_shape'))}, or an HF config.json")
+    q.add_argument("--host", default="measured", choices=["measured", "none"])
+    q.add_argument("--out", type=Path, help="write the per-step predictions as CSV")
+    args = ap.parse_args(argv)
+    run_main(lambda: _run(args))
+
+
+def _run(args: argparse.Namespace) -> None:
+    if True:
+        if args.cmd == "profile":
+            from bench.engines.torch.engine import TorchRefEngine
+            ckpt = args.checkpoint
+            if ckpt is None:
+                from bench.traces.record import ensure_trace
+                from bench.traces.format import Trace
+                trace = Trace.load(ensure_trace("countdown-search"))
+                ckpt = trace.checkpoint(trace.step_numbers[-1])
+            engine = TorchRefEngine(device=args.device, dtype=args.dtype, threads=args.threads)
+            engine.load(ckpt)
+            frame = profile(engine, _ints(args.rows), _ints(args.query), _ints(args.context), args.repeats)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            frame.to_csv(args.out, index=False)
+            print(f"wrote {len(frame)} shapes to {args.out} ({frame['model'].iloc[0]}, {frame['hardware'].iloc[0]})")
+        else:
+            table = LatencyTable.read(args.table) if args.table else None
+            hw = Hardware.named(args.hardware) if args.hardware else None
+            model = ModelShape.named(args.model) if args.model else None
+            per = predict(args.run, table, hw, model, args.host)
+            from bench.report.collect import to_markdown
+            summary = summarize_prediction(per)
+            print(f"PREDICTED ({per['target'].iloc[0]}), measured beside it:\n")
+            print(to_markdown(summary.drop(columns=["target"])))
+            print(f"median |predicted - measured| / measured speedup: {prediction_error(summary):.3f}")
+            note = extrapolation_note(per)
+            if note:
+                print(note)
+            if args.out:
+                per.to_csv(args.out, index=False)
+                print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

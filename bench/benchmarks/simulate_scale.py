@@ -1,0 +1,155 @@
+"""The simulator at real size: 8 steps x 128 rollouts x 4,096 tokens (vocabulary 151,936), each
+method in its own process: wall seconds, peak RSS and the seconds of each part.
+
+    python -m bench.benchmarks simulate-scale [--methods ...] [--probe none]
+"""
+from __future__ import annotations
+import tempfile
+import time
+from pathlib import Path
+from bench.benchmarks.helpers import parser
+from bench.benchmarks.helpers import print_rows
+from bench.benchmarks.helpers import run_measured
+
+
+SCALE_METHODS = ("baseline", "prefix_reuse_exact", "future_oracle")
+
+
+def _sim_parts(stdout: str) -> dict[str, float]:
+    """The per-part seconds of bench.harness.simulate's last line ("simulated ... (part 1.2s, ...)")."""
+    import re
+    line = next((ln for ln in stdout.splitlines() if ln.startswith("simulated ")), "")
+    inner = line[line.find("(") + 1:line.rfind(")")]
+    return {k: float(v) for k, v in re.findall(r"((?:cache oracle \[[^\]]*\])|[^\s,][^\s]*) ([\d.]+)s", inner)}
+
+
+def _cache_oracles(log_dir: str) -> None:
+    """Every distinct cache oracle of the simulable methods on a log, alone: seconds and tokens per step."""
+    from bench.harness.simulate import (FUTURE_ORACLE, build_drafter, cache_bound, load_input, method_config,
+                           oracle_passes, simulable_methods)
+    steps, prompts, _ = load_input(log_dir)
+    max_new = max(len(t) for df in steps.values() for t in df["token_ids"])
+    tokens = sum(len(t) for df in steps.values() for t in df["token_ids"])
+    bounds: dict = {}
+    for m in simulable_methods():
+        if m != FUTURE_ORACLE:
+            b = cache_bound(build_drafter(m, method_config(m)))
+            bounds.setdefault(b._replace(budget=None) if b.budget is not None and b.budget >= max_new - 1 else b,
+                              []).append(m)
+    parts = []
+    for b, names in bounds.items():
+        t = time.perf_counter()
+        passes = oracle_passes(steps, max_new, b.in_flight, b.budget, b.scope, prompts)
+        parts.append(f"cache oracle [{b.label()}] {time.perf_counter() - t:.1f}s")
+        print(f"{b.label()} ({', '.join(names)}): {tokens / sum(passes.values()):.3f} tokens/step")
+    print(f"simulated 0 methods in 0s ({', '.join(parts)})")
+
+
+def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: int = 16, samples: int = 8,
+                   max_len: int = 4096, probe_prompts: int = 0, timeout: float = 600.0) -> list[dict]:
+    """``python -m bench.harness.simulate`` on a synthetic log of steps x (prompts x samples) rollouts of at
+    most ``max_len`` tokens (``bench.harness.simulate.synthetic_log``: vocabulary 151,936, per-prompt
+    templates that rollouts copy with edits, long-tailed lengths), each run in its own process:
+    wall seconds and peak RSS of the whole command, and the seconds of each part (every method's
+    replay, every cache oracle). First ``methods`` together on the whole log; then each ``probe``
+    method (default: every other simulable method) alone on the whole log, or with
+    ``probe_prompts`` on the log cut to that many prompts (every step, so each prompt's cache is
+    as large as in the whole log), its time scaled by the token ratio as an estimate. Last, the oracle's structure for
+    one rollout: suffix automaton states against the nodes of the old oracle's depth-max_len trie.
+    """
+    import sys
+    from methods.oracle import SuffixAutomaton
+    from methods.suffix.index import SuffixIndex
+    from methods.suffix.tree import SuffixTrie
+    from bench.harness.simulate import simulable_methods, synthetic_log, write_log
+    t = time.perf_counter()
+    log, _ = synthetic_log(steps=steps, prompts=prompts, samples=samples, max_len=max_len)
+    gen_s = time.perf_counter() - t
+    tokens = sum(len(x) for df in log.values() for x in df["token_ids"])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        full = write_log(log, Path(tmp) / "full")
+        cmd = [sys.executable, "-m", "bench.harness.simulate", str(full), *[a for m in methods for a in ("--method", m)]]
+        r = run_measured(cmd, timeout)
+        print(f"$ python -m bench.harness.simulate LOG {' '.join(cmd[4:])}   (log generated in {gen_s:.1f}s)")
+        print(r["stdout"])
+        rows.append({"run": "together, whole log", "methods": ",".join(methods), "tokens": tokens,
+                     "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
+                     "parts": "; ".join(f"{k} {v:.1f}s" for k, v in _sim_parts(r["stdout"]).items())})
+        r = run_measured([sys.executable, "-c", "import sys; from bench.benchmarks.simulate_scale import _cache_oracles; "
+                           "_cache_oracles(sys.argv[1])", str(full)], timeout)
+        print("every distinct cache oracle alone, whole log:\n" + r["stdout"])
+        rows.append({"run": "cache oracles alone, whole log", "methods": "(of every simulable method)",
+                     "tokens": tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
+                     "parts": "; ".join(f"{k} {v:.1f}s" for k, v in _sim_parts(r["stdout"]).items())})
+        if probe_prompts and probe_prompts < prompts:
+            keep = {f"p{i}" for i in range(probe_prompts)}
+            cut = {s: df[df["prompt_id"].isin(keep)].reset_index(drop=True) for s, df in log.items()}
+            cut_tokens = sum(len(x) for df in cut.values() for x in df["token_ids"])
+            small = write_log(cut, Path(tmp) / "cut")
+            where = f"alone, {probe_prompts} of {prompts} prompts"
+        else:  # each probe method alone on the whole log
+            cut_tokens, small, where = tokens, full, "alone, whole log"
+        probe = [m for m in simulable_methods() if m not in methods] if probe is None else list(probe)
+        base = run_measured([sys.executable, "-c", "import bench.harness.simulate"], timeout)
+        rows.append({"run": "imports only", "methods": "", "tokens": 0, "wall_s": base["wall_s"],
+                     "peak_rss_mb": base["peak_rss_mb"], "status": base["status"], "parts": ""})
+        ratio = tokens / cut_tokens
+        for m in probe:
+            r = run_measured([sys.executable, "-m", "bench.harness.simulate", str(small), "--method", m], timeout)
+            parts = _sim_parts(r["stdout"])
+            own = parts.get(m, float("nan"))
+            oracle = sum(v for k, v in parts.items() if k.startswith("cache oracle"))
+            rss = base["peak_rss_mb"] + (r["peak_rss_mb"] - base["peak_rss_mb"]) * ratio
+            if r["status"]:
+                rows.append({"run": where, "methods": m,
+                             "tokens": cut_tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"],
+                             "status": r["status"], "parts": f"failed: {r['error']}"})
+                continue
+            rows.append({"run": where, "methods": m, "tokens": cut_tokens,
+                         "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
+                         "parts": (f"{m} {own:.1f}s ({1e6 * own / cut_tokens:.0f} us/token); cache oracle {oracle:.1f}s"
+                                   + (f"; whole log x{ratio:.1f}: ~{own * ratio:.0f}s, ~{rss:.0f} MB" if ratio > 1 else ""))})
+    import random
+    rng = random.Random(0)
+    text = [rng.randrange(151_936) for _ in range(max_len)]
+    for n in sorted({min(1024, max_len), max_len}):
+        sam = SuffixAutomaton()
+        t = time.perf_counter()
+        sam.extend(0, text[:n])
+        sam_s = time.perf_counter() - t
+        detail = f"automaton {sam.num_states} states, ~{sam.approx_bytes() / 1e6:.2f} MB, {sam_s:.3f}s"
+        index = SuffixIndex(64)
+        t = time.perf_counter()
+        index.extend(0, text[:n])
+        detail += (f"; drafters' index (depth 64) {index.num_nodes} states, ~{index.approx_bytes() / 1e6:.2f} MB, "
+                   f"{time.perf_counter() - t:.3f}s")
+        if n <= 1024:
+            trie = SuffixTrie(64)
+            t = time.perf_counter()
+            trie.extend(0, text[:n])
+            detail += (f"; reference trie (depth 64) {trie.num_nodes} nodes, ~{trie.approx_bytes() / 1e6:.0f} MB, "
+                       f"{time.perf_counter() - t:.2f}s")
+            trie = SuffixTrie(n)
+            t = time.perf_counter()
+            trie.extend(0, text[:n])
+            detail += (f"; old oracle trie (depth {n}) {trie.num_nodes} nodes, ~{trie.approx_bytes() / 1e6:.0f} MB, "
+                       f"{time.perf_counter() - t:.1f}s")
+        rows.append({"run": f"one {n}-token rollout", "methods": "cache oracle structure", "tokens": n,
+                     "wall_s": float("nan"), "peak_rss_mb": float("nan"), "status": 0, "parts": detail})
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = parser("simulate-scale", "bench.harness.simulate on 8 steps x 128 rollouts x 4,096 tokens: seconds, RSS")
+    ap.add_argument("--methods", default=",".join(SCALE_METHODS),
+                    help="methods simulated together on the whole log (comma-separated)")
+    ap.add_argument("--probe", default=None,
+                    help="methods timed alone on a cut of the log (comma-separated, 'none'; default every other "
+                         "simulable method)")
+    ap.add_argument("--probe-prompts", type=int, default=0,
+                    help="time the probe methods on the log cut to this many prompts (default 0: each alone on "
+                         "the whole log)")
+    args = ap.parse_args(argv)
+    probe = None if args.probe is None else [m for m in args.probe.split(",") if m and m != "none"]
+    print_rows(simulate_scale(methods=args.methods.split(","), probe=probe, probe_prompts=args.probe_prompts))

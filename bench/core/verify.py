@@ -1,0 +1,352 @@
+"""THE verifier: one acceptance code path for every method and engine-agnostic rule.
+
+Rules (DESIGN.md section 3):
+- ``exact``: at each draft node sample y from the processed target with the coupled uniform of
+  that output position; descend to the child whose token is y, else emit y and stop; after the
+  last accepted node emit one more sampled token (the bonus). Lossless for any draft, chain or
+  tree, and emits exactly the tokens plain sampling would.
+- ``ratio`` (SPEC-RL as released, chains only): accept draft token x while
+  u' <= min(1, lenience * p(x) / q(x)) with u' from an independent coupled stream; at the first
+  rejection emit a plain sample from p (no residual). Lossy at every lenience.
+- ``greedy``: accept while the draft equals the argmax (exact at temperature 0 only: at
+  temperature > 0 it would silently decode argmax, so :func:`check_rule` refuses it).
+
+Sampling and verification read fp32 logits at least (fp16/bf16 are upcast here; the torch_ref
+engine also computes its output layer in fp32) and float64 logits as they are. Every emitted
+token gets a signed margin (:func:`token_margins`, in probability mass): how far its coupled
+uniform lies inside its CDF interval, negative when u does not select it; ``bench.core.precision``
+uses it to tell near-ties from rule divergences in low-precision runs.
+
+At real sizes (a 152k vocabulary, batch 128 x 25 nodes, 4,096-token prefix-reuse drafts) nothing
+of size batch x nodes x vocabulary exists: :func:`verify_nodes` reads the logits of real
+(row, node) pairs only, flattened and ragged, a chunk at a time, and a long draft in windows
+that stop at its first rejection; softmax and cuts run in fp32 (float64 for a float64 model),
+the CDF in float64, top-p through an exact prefilter (``bench.core.sampling.nucleus_drop``).
+:func:`verify_batch` is the same on padded [B, K, V] logits. ``python -m bench.benchmarks
+verify-scale`` measures memory and time against the previous verifier.
+
+Exercised by ``pytest tests/test_verify.py`` and ``tests/test_scale.py``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from methods.base import Draft
+
+from bench.core.sampling import (STREAM_ACCEPT, STREAM_SAMPLE, SamplingConfig, processed_from_scaled, sample_from_cdf,
+                       scaled_logits, uniforms)
+
+RULES = ("exact", "ratio", "greedy")
+
+
+@dataclass
+class VerifyConfig:
+    """The acceptance rule and its knob.
+
+    ``ratio`` reads p(x) = softmax(logits / T)(x) of the current policy and q(x) = the draft's
+    stored logprob (for prefix reuse, the old rollout's logprob as its engine returned it: also
+    log-softmax of logits / T, before any top-p/top-k cut). So under top-p/top-k the test compares
+    temperature-scaled distributions, not the processed (cut) ones; the token emitted at the first
+    rejection (and the bonus) is a sample of the processed target. ``bench.benchmarks.bias`` computes the
+    resulting distribution with exactly these p~, q~ in the ratio.
+    """
+
+    rule: str = "exact"
+    lenience: float = 1.0  # ratio rule only: l = exp(b); SPEC-RL's GRPO default is e^0.5
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"verify.rule must be one of {RULES}, got {self.rule!r}")
+        if not self.lenience >= 1.0:
+            raise ValueError(f"verify.lenience must be >= 1 (1 = no lenience), got {self.lenience}")
+
+    @property
+    def lossless(self) -> bool:
+        return self.rule != "ratio"
+
+
+def check_rule(verify: VerifyConfig, sampling: SamplingConfig) -> None:
+    """Refuse a verify rule that cannot mean what it says with these sampling settings."""
+    if verify.rule == "greedy" and not sampling.greedy:
+        raise ValueError(f"verify.rule=greedy decodes argmax, but sampling.temperature={sampling.temperature} "
+                         f"samples: set sampling.temperature=0 (sampling=greedy) or use verify.rule=exact")
+
+
+@dataclass
+class Verdict:
+    """What verification of one row decided.
+
+    ``emitted[i]`` was sampled at local node ``path[i]`` (0 = the rollout's last token, j >= 1 =
+    draft node j-1); ``path[1:]`` are the accepted draft nodes, in order.
+    """
+
+    emitted: list[int]
+    path: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)  # signed margin of each emitted token
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path) - 1
+
+
+def node_depths(draft: Draft) -> list[int]:
+    """Depth of each local node: 0 for the root, 1 + parent's depth for draft nodes."""
+    depths = [0]
+    for p in draft.parent_list():
+        depths.append(depths[p + 1] + 1)
+    return depths
+
+
+def descend(sampled: list[int], draft: Draft) -> tuple[list[int], list[int]]:
+    """Exact/greedy descent given the token sampled at every local node.
+
+    sampled[j] is the token drawn at local node j. Returns (emitted, path).
+    Example: draft chain [5, 6, 7], sampled [5, 6, 9, 2] -> emitted [5, 6, 9], path [0, 1, 2].
+    """
+    children: dict[tuple[int, int], int] = {}
+    for i, (tok, p) in enumerate(zip(draft.token_ids, draft.parent_list())):
+        children.setdefault((p + 1, tok), i + 1)  # first node wins on duplicate siblings
+    node, emitted, path = 0, [], [0]
+    while True:
+        y = sampled[node]
+        emitted.append(y)
+        child = children.get((node, y))
+        if child is None:
+            return emitted, path
+        node = child
+        path.append(node)
+
+
+def ratio_accept(draft: Draft, sampled: list[int], accept_u: list[float], target_logp: list[float],
+                 lenience: float) -> tuple[list[int], list[int]]:
+    """SPEC-RL's lenient test on a chain: accept x_i while u'_i <= min(1, l * p(x_i)/q(x_i)).
+
+    target_logp[i] = log p(x_i) under the current policy, draft.logprobs[i] = log q(x_i).
+    At the first rejection emit sampled[i] (a plain sample from p at that position).
+    """
+    if draft.logprobs is None:
+        raise ValueError("verify.rule=ratio needs draft logprobs: use a drafter that provides them "
+                         "(prefix_reuse) or rule=exact")
+    log_l = math.log(lenience)
+    emitted, path = [], [0]
+    for i, x in enumerate(draft.token_ids):
+        log_ratio = log_l + target_logp[i] - draft.logprobs[i]
+        if math.log(accept_u[i]) <= min(0.0, log_ratio):  # log_ratio may be -inf (p(x) = 0)
+            emitted.append(x)
+            path.append(i + 1)
+        else:
+            emitted.append(sampled[i])
+            return emitted, path
+    emitted.append(sampled[len(draft.token_ids)])
+    return emitted, path
+
+
+def token_margins(logits: torch.Tensor, cdf: torch.Tensor | None, cut: torch.Tensor | None, u: torch.Tensor,
+                  at: torch.Tensor, toks: torch.Tensor, lse64: torch.Tensor | None = None) -> torch.Tensor:
+    """Signed margins of tokens ``toks`` [m] at rows ``at`` [m] of a chunk of verified nodes.
+
+    Sampled (cdf = cumsum of the processed probs [n, V] in float64, Z = cdf[-1], u [n]): token y's
+    interval is [cdf(y-1), cdf(y)); margin = min(u Z - cdf(y-1), cdf(y) - u Z) / Z, positive when
+    u selects y, negative by how far u lies outside y's interval otherwise; then capped by the
+    node's top-k/top-p cut margin ``cut`` [n] (``processed_probs_and_cut_margin``).
+    Greedy (cdf None): p(y) - max over z != y of p(z) with p = softmax(logits [n, V]), i.e. the
+    top-1 minus top-2 probability gap for the argmax and negative for any other token
+    (``lse64``: logsumexp of the float64 logits, [n], computed here when not given).
+    One gather for the chunk, no per-token Python. Returns [m] float64.
+    """
+    if cdf is None:
+        lse = (torch.logsumexp(logits.double(), dim=-1) if lse64 is None else lse64)[at]
+        top2 = torch.topk(logits, 2, dim=-1)
+        first, second = top2.values.double()[at].unbind(-1)
+        own = logits[at, toks].double()
+        other = torch.where(toks == top2.indices[at, 0], second, first)
+        return torch.exp(own - lse) - torch.exp(other - lse)
+    z = cdf[at, -1]
+    hi = cdf[at, toks]
+    lo = torch.where(toks > 0, cdf[at, (toks - 1).clamp(min=0)], 0.0)
+    x = u[at] * z
+    return torch.minimum(torch.minimum(x - lo, hi - x) / z, cut[at])
+
+
+# Memory and windows. Logits are read for the real (row, node) pairs only, flattened and ragged,
+# in chunks of CHUNK_BYTES of fp32 logits (softmax, top-p and CDF one chunk at a time: the
+# verifier's workspace is a few chunks, however many nodes a batch verifies; small chunks stay in
+# a CPU's caches, a GPU wants fewer, larger kernels). A row's draft is verified in windows: first
+# WINDOW nodes; a row whose every node so far was accepted continues with a window twice as long
+# (at most MAX_WINDOW), from the same forward's hidden states, so a 4,096-token draft rejected at
+# node 10 reads WINDOW nodes' logits, not 4,097.
+CHUNK_BYTES = {"cpu": 8 << 20, "cuda": 256 << 20}
+WINDOW = 32
+MAX_WINDOW = 512
+
+LogitsAt = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Row:
+    """Verification state of one row: per local node, what its logits decided."""
+
+    draft: Draft
+    depths: list[int]
+    children: list[list[int]]  # children[j]: local nodes whose parent is local node j
+    sampled: list  # token sampled at each local node (None: not read yet)
+    lp: list  # logprob / margin of the sampled token at each node
+    mg: list
+    lp_in: list  # lp_in[c] / mg_in[c]: logprob / margin of node c's draft token at its parent
+    mg_in: list
+    accept_u: list = field(default_factory=list)  # ratio rule: the acceptance stream at each draft node
+    end: int = 0  # nodes [0, end) are the ones read so far (some skipped in a tree)
+    window: int = 0
+    start: int = 0  # first node of the next window
+    verdict: Verdict | None = None
+
+
+def verify_batch(logits: torch.Tensor, drafts: list[Draft], keys: torch.Tensor, out_lens: list[int],
+                 sampling: SamplingConfig, verify: VerifyConfig) -> list[Verdict]:
+    """Verify the drafts of a batch of rows from padded logits.
+
+    logits: [B, K, V], row b's local node j (0 = last token, j >= 1 = draft node j-1) at [b, j]
+    for j <= len(drafts[b]); the rest is padding and never read. keys: [B] int64 rollout keys;
+    out_lens[b]: output length of row b before this iteration (the output position sampled at
+    local node 0). fp16/bf16 logits are read in fp32, float64 ones as they are. The same as
+    :func:`verify_nodes` with ``logits_at = lambda rows, nodes: logits[rows, nodes]``.
+    """
+    return verify_nodes(lambda rows, nodes: logits[rows.to(logits.device), nodes.to(logits.device)],
+                        logits.shape[-1], drafts, keys, out_lens, sampling, verify, device=logits.device)
+
+
+def verify_nodes(logits_at: LogitsAt, vocab: int, drafts: list[Draft], keys: torch.Tensor, out_lens: list[int],
+                 sampling: SamplingConfig, verify: VerifyConfig, window: int | None = None,
+                 device: torch.device | str = "cpu") -> list[Verdict]:
+    """Verify the drafts of a batch of rows, reading logits only where the descent needs them.
+
+    ``logits_at(rows, nodes)`` (two [n] int64 CPU tensors: row b, local node j) returns the [n, V]
+    logits of those (row, node) pairs, on any device, in any float dtype; the torch_ref engine
+    applies the output layer to the gathered hidden states of exactly these nodes. It is called
+    once per chunk (``CHUNK_BYTES[device type]``) of each window round (``WINDOW``; ``window``
+    overrides it).
+    Softmax, cuts and logprobs are computed in fp32 (float64 logits stay float64), the CDF and the
+    margins in float64, so the verdicts do not depend on the chunking or the windows: the same
+    tokens, logprobs and margins as verifying every node at once.
+    """
+    first = WINDOW if window is None else window
+    chunk = max(1, CHUNK_BYTES.get(torch.device(device).type, CHUNK_BYTES["cpu"]) // (4 * vocab))
+    greedy = verify.rule == "greedy" or sampling.greedy
+    keys_l = [int(k) for k in keys.tolist()]
+    rows = []
+    for d in drafts:
+        n = 1 + len(d)
+        children: list[list[int]] = [[] for _ in range(n)]
+        for i, p in enumerate(d.parent_list()):
+            children[p + 1].append(i + 1)
+        if verify.rule == "ratio" and len(d) and not d.is_chain:
+            raise ValueError("verify.rule=ratio verifies chain drafts only; use rule=exact for trees")
+        rows.append(_Row(d, node_depths(d), children, [None] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n,
+                         window=max(1, first)))
+    if verify.rule == "ratio" and any(len(d) for d in drafts):
+        width = max(len(d) for d in drafts)
+        pos = torch.tensor([[o + i for i in range(width)] for o in out_lens], dtype=torch.int64)
+        for r, d, au in zip(rows, drafts, uniforms(keys.cpu(), pos, STREAM_ACCEPT).tolist()):
+            r.accept_u = au[:len(d)]
+    live = list(range(len(rows)))
+    while live:
+        todo = []  # (row, node) pairs read this round
+        for b in live:
+            r = rows[b]
+            stop = min(len(r.sampled), r.start + r.window)
+            todo += [(b, j) for j in range(r.start, stop)]
+            r.end = stop
+        _read(todo, rows, logits_at, vocab, keys_l, out_lens, sampling, greedy, chunk)
+        live = [b for b in live if not _descend(rows[b], verify, greedy)]
+        for b in live:
+            rows[b].window = min(2 * rows[b].window, max(MAX_WINDOW, first))
+    return [r.verdict for r in rows]
+
+
+def _read(todo: list[tuple[int, int]], rows: list[_Row], logits_at: LogitsAt, vocab: int, keys: list[int],
+          out_lens: list[int], sampling: SamplingConfig, greedy: bool, chunk: int) -> None:
+    """Read the logits of the (row, node) pairs ``todo`` chunk by chunk and record, per node, the
+    sampled token and its logprob and margin, and each child's draft token's logprob and margin."""
+    for s in range(0, len(todo), chunk):
+        part = todo[s:s + chunk]
+        b_idx = torch.tensor([b for b, _ in part], dtype=torch.int64)
+        j_idx = torch.tensor([j for _, j in part], dtype=torch.int64)
+        pos = torch.tensor([[out_lens[b] + rows[b].depths[j]] for b, j in part], dtype=torch.int64)
+        u = uniforms(torch.tensor([keys[b] for b, _ in part], dtype=torch.int64), pos, STREAM_SAMPLE)[:, 0]
+        # the draft tokens of every child of a node in this chunk, read at that node
+        kid_at, kid_tok, kids = [], [], []
+        for i, (b, j) in enumerate(part):
+            r = rows[b]
+            for c in r.children[j]:
+                kid_at.append(i)
+                kid_tok.append(r.draft.token_ids[c - 1])
+                kids.append((b, c))
+        logits = logits_at(b_idx, j_idx)
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
+        dev = logits.device
+        u = u.to(dev)
+        scaled = scaled_logits(logits, sampling)
+        lse = torch.logsumexp(scaled, dim=-1)
+        if greedy:
+            sampled, cdf, cut = logits.argmax(-1), None, None
+            lse64 = torch.logsumexp(logits.double(), dim=-1)
+        else:
+            probs, cut = processed_from_scaled(scaled, sampling)
+            cdf = probs.to(torch.float64)  # the CDF in float64, in place: one vocabulary-wide copy at a time
+            del probs
+            cdf.cumsum_(dim=-1)
+            sampled, lse64 = sample_from_cdf(cdf, u), None
+        at = torch.cat([torch.arange(len(part), device=dev), torch.tensor(kid_at, dtype=torch.int64, device=dev)])
+        toks = torch.cat([sampled, torch.tensor(kid_tok, dtype=torch.int64, device=dev)])
+        lp = (scaled[at, toks] - lse[at]).tolist()
+        mg = token_margins(logits, cdf, cut, u, at, toks, lse64).tolist()
+        del logits, scaled, cdf
+        n = len(part)
+        for i, ((b, j), y) in enumerate(zip(part, sampled.tolist())):
+            r = rows[b]
+            r.sampled[j], r.lp[j], r.mg[j] = y, lp[i], mg[i]
+        for i, (b, c) in enumerate(kids):
+            rows[b].lp_in[c], rows[b].mg_in[c] = lp[n + i], mg[n + i]
+
+
+def _descend(r: _Row, verify: VerifyConfig, greedy: bool) -> bool:
+    """Run the rule over the nodes read so far; True (and ``r.verdict`` set) when more nodes
+    cannot change the verdict, else False with ``r.start`` at the next node to read."""
+    d, e = r.draft, r.end
+    trunc = d.truncated(e - 1)  # the nodes read so far (parents precede children: still a forest)
+    if verify.rule == "ratio" and len(d):
+        if greedy:  # the target is the one-hot argmax: p(x) is 1 or 0
+            target = [0.0 if x == r.sampled[i] else float("-inf") for i, x in enumerate(trunc.token_ids)]
+        else:
+            target = r.lp_in[1:e]
+        emitted, path = ratio_accept(trunc, r.sampled[:e], r.accept_u, target, verify.lenience) if len(trunc) \
+            else ([r.sampled[0]], [0])
+        nxt = e if len(path) == e and len(d) >= e else None  # all read nodes accepted: test the next
+    else:
+        emitted, path = descend(r.sampled[:e], trunc)
+        last, y = path[-1], emitted[-1]  # the first child of the full draft the sample descends to
+        nxt = next((c for c in r.children[last] if d.token_ids[c - 1] == y), None)
+        if nxt is not None and nxt < e:
+            nxt = None  # a read child the rule did not descend to (only a modified rule does that)
+    if nxt is not None:
+        r.start = nxt
+        return False
+    lps, mgs = [], []
+    for node, tok in zip(path, emitted):
+        if tok == r.sampled[node]:
+            lps.append(r.lp[node])
+            mgs.append(r.mg[node])
+        else:  # a draft token the rule accepted where u did not select it: its own numbers
+            c = next((c for c in r.children[node] if d.token_ids[c - 1] == tok), None)
+            if c is None:
+                raise AssertionError(f"verify: token {tok} emitted at node {node} was neither sampled there nor drafted")
+            lps.append(r.lp_in[c])
+            mgs.append(r.mg_in[c])
+    r.verdict = Verdict(emitted, path, lps, mgs)
+    return True

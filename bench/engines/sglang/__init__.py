@@ -1,0 +1,1 @@
+"""The SGLang engine adapter (SGLang imported only when an engine is built)."""

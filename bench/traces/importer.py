@@ -1,0 +1,447 @@
+"""Build a trace from an existing RL run: its saved checkpoints, its prompts, optionally its rollouts.
+
+    python -m bench.traces.importer --checkpoints RUN_DIR --prompts prompts.jsonl --out TRACE_DIR \
+        [--rollouts ROLLOUT_DIR] [--steps-per-prompt-visit 4] [--max-new-tokens 1024]
+
+Checkpoints are Hugging Face dirs (config.json + *.safetensors) anywhere under RUN_DIR, numbered
+by a path component ``global_step_N`` (verl: ``global_step_N/actor/huggingface``), ``checkpoint-N``
+(TRL / transformers Trainer) or ``step_N``; they are symlinked, never copied. The prompts file is
+JSON lines with ``text`` (tokenized with the checkpoints' tokenizer) or ``token_ids``, an optional
+``prompt_id`` and an optional ``step`` (int or list: the checkpoint steps that used the prompt);
+other keys are kept as task metadata. Without ``step``, the prompts of a step are those of its
+rollouts file if one is given, else the prompts are cut into ``--steps-per-prompt-visit`` chunks
+visited in turn (1: every step uses every prompt). Rollout files (``*.jsonl``/``*.parquet``, the
+last number in the name is the step) need prompt_id and token_ids; sample_idx, logprobs and
+reward are optional. A rollouts file of a step without a checkpoint makes a rollouts-only step
+(a sparse trace: the replay feeds it to the drafters).
+
+Rollout dumps of real runs (``--dump DIR --dump-format verl|trl``, decoded text re-tokenized with
+the run's tokenizer; the prompts then come from the dump, ``--prompts`` is not needed):
+
+- ``verl``: ``trainer.rollout_data_dir``, one ``{step}.jsonl`` per step, rows ``input``, ``output``
+  (decoded with special tokens skipped), ``score``, ``step`` (``gts`` and reward extras kept out);
+  the n samples of a prompt are consecutive.
+- ``trl``: GRPOTrainer's ``log_completions``: ``completions/completions_{step:05d}.parquet`` under
+  the output dir, columns ``step``, ``prompt``, ``completion``, one column per reward function
+  (``reward`` if present, else the only one), ``advantage``; logged at logging steps only.
+
+OpenRLHF writes no rollout dump (its trainer logs scalars and, with wandb, sample tables only), so
+it has no format here. Without checkpoints, ``python -m bench.traces.importer --dump DIR
+--dump-format verl --tokenizer TOK --log-out LOG_DIR`` writes a simulation log
+(``step_<N>.parquet``) for ``python -m bench.harness.simulate LOG_DIR``. Re-tokenized ids may differ from
+the generated ones (special tokens were stripped, and text does not always round-trip): the
+rollouts carry ``retokenized: true`` and the trace or log says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from bench.traces.format import Trace, TraceError, TraceSampling, TraceWriter, checkpoint_relpath, iter_jsonl, publish_dir
+
+STEP_PATTERNS = [re.compile(p) for p in (r"^global_step_(\d+)$", r"^checkpoint-(\d+)$", r"^step_?(\d+)$")]
+
+
+def _step_of(parts: tuple[str, ...]) -> int | None:
+    for part in reversed(parts):
+        for pat in STEP_PATTERNS:
+            m = pat.match(part)
+            if m:
+                return int(m.group(1))
+    return None
+
+
+def find_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every numbered checkpoint under ``root``, sorted by step."""
+    root = Path(root)
+    if not root.is_dir():
+        raise TraceError(f"--checkpoints {root} is not a directory")
+    found: dict[int, list[Path]] = {}
+    for cfg in sorted(root.rglob("config.json")):
+        d = cfg.parent
+        step = _step_of(d.relative_to(root).parts)
+        if step is not None:
+            found.setdefault(step, []).append(d)
+    if not found:
+        raise TraceError(f"no checkpoint dirs under {root}: expected dirs with config.json under a path "
+                         f"component global_step_N, checkpoint-N or step_N")
+    out = []
+    for step, dirs in sorted(found.items()):
+        if len(dirs) > 1:  # verl saves actor and critic side by side: the policy is the actor
+            actors = [d for d in dirs if "actor" in d.parts]
+            if len(actors) != 1:
+                raise TraceError(f"step {step} has several checkpoint dirs {[str(d) for d in dirs]}; "
+                                 f"keep one policy checkpoint per step")
+            dirs = actors
+        d = dirs[0]
+        if not any(d.glob("*.safetensors")):
+            raise TraceError(f"checkpoint {d} (step {step}) has config.json but no *.safetensors weights; "
+                             f"convert or merge them into a Hugging Face dir first (verl: its model "
+                             f"merger; .bin files: load and save_pretrained)")
+        out.append((step, d))
+    return out
+
+
+def _read_table(path: Path) -> list[dict]:
+    if path.suffix == ".parquet":
+        import pandas as pd
+        return pd.read_parquet(path).to_dict("records")
+    return [record for _, record in iter_jsonl(path)]
+
+
+def read_prompts(path: Path, tokenizer, add_special_tokens: bool = True) -> list[dict]:
+    """Prompt records with prompt_id, token_ids, steps (list or None) and metadata."""
+    if not Path(path).exists():
+        raise TraceError(f"--prompts {path} not found")
+    records, seen = [], set()
+    for i, rec in enumerate(_read_table(Path(path))):
+        pid = str(rec.pop("prompt_id", f"p{i:05d}"))
+        if pid in seen:
+            raise TraceError(f"{path}: prompt_id {pid!r} appears twice; ids must be unique")
+        seen.add(pid)
+        if rec.get("token_ids") is not None:
+            ids = [int(t) for t in rec.pop("token_ids")]
+        elif isinstance(rec.get("text"), str):
+            ids = tokenizer(rec["text"], add_special_tokens=add_special_tokens)["input_ids"]
+        else:
+            raise TraceError(f"{path}: record {i} (prompt {pid!r}) has neither `text` nor `token_ids`")
+        step = rec.pop("step", None)
+        steps = None if step is None else [int(s) for s in (step if isinstance(step, list) else [step])]
+        records.append({"prompt_id": pid, "token_ids": ids, "steps": steps, "meta": rec})
+    if not records:
+        raise TraceError(f"{path} holds no prompts")
+    return records
+
+
+def read_rollouts(directory: Path, tokenizer, steps: set[int]) -> dict[int, "object"]:
+    """step -> DataFrame with the trace's rollout columns."""
+    import pandas as pd
+    files = sorted(p for p in Path(directory).iterdir() if p.suffix in (".jsonl", ".parquet"))
+    if not files:
+        raise TraceError(f"--rollouts {directory} holds no *.jsonl or *.parquet files")
+    out = {}
+    for f in files:
+        nums = re.findall(r"\d+", f.stem)
+        if not nums:
+            raise TraceError(f"rollouts file {f}: the last number in its name must be its step (a checkpoint "
+                             f"step, one of {sorted(steps)}, or a rollouts-only step)")
+        df = pd.DataFrame(_read_table(f))
+        if "prompt_id" not in df.columns or "token_ids" not in df.columns:
+            raise TraceError(f"{f} needs columns prompt_id and token_ids (has {list(df.columns)})")
+        df["prompt_id"] = df["prompt_id"].astype(str)
+        df["token_ids"] = df["token_ids"].map(lambda t: [int(x) for x in t])
+        if "sample_idx" not in df.columns:
+            df["sample_idx"] = df.groupby("prompt_id", sort=False).cumcount()
+        if "logprobs" not in df.columns:
+            df["logprobs"] = None
+        if "reward" not in df.columns:
+            df["reward"] = math.nan
+        out[int(nums[-1])] = df
+    return out
+
+
+
+# ---------------------------------------------------------------- rollout dumps of real runs
+
+DUMP_FORMATS = ("verl", "trl")
+VERL_FIELDS = ("input", "output", "step")
+TRL_FIELDS = ("step", "prompt", "completion")
+TRL_NOT_REWARDS = {"step", "prompt", "completion", "advantage", "mode", "image", "images"}
+RETOKENIZED_NOTE = ("token ids re-tokenized from decoded text (special tokens were stripped), so they may "
+                    "differ from the ids the run generated")
+
+
+def load_tokenizer(path: Path | str | None, what: str = "--tokenizer"):
+    """A Hugging Face tokenizer from a local dir; a missing or unreadable one is a TraceError."""
+    if path is None:
+        raise TraceError(f"re-tokenizing a rollout dump needs the run's tokenizer: pass {what} DIR "
+                         f"(a saved Hugging Face tokenizer)")
+    p = Path(path)
+    if not p.is_dir() or not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise TraceError(f"{what} {p}: unknown tokenizer (no tokenizer.json or tokenizer_config.json there); "
+                         f"pass the run's saved tokenizer dir")
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(p))
+    except Exception as exc:  # a corrupt file: say which dir
+        raise TraceError(f"{what} {p}: the tokenizer cannot be loaded ({exc}); pass the run's saved tokenizer dir") from exc
+
+
+def _dump_files(directory: Path, fmt: str) -> dict[int, Path]:
+    d = Path(directory)
+    if fmt not in DUMP_FORMATS:
+        raise TraceError(f"--dump-format {fmt!r}: known formats are {list(DUMP_FORMATS)} (OpenRLHF writes no "
+                         f"rollout dump)")
+    if not d.is_dir():
+        raise TraceError(f"--dump {d} is not a directory")
+    if fmt == "verl":
+        pattern, glob = re.compile(r"^(\d+)\.jsonl$"), "*.jsonl"
+    else:
+        pattern, glob = re.compile(r"^completions_(\d+)\.parquet$"), "completions_*.parquet"
+        for sub in (d / "completions" / "train", d / "completions"):  # the trainer's output dir given
+            if sub.is_dir() and any(sub.glob(glob)):
+                d = sub
+                break
+    files = {}
+    for f in sorted(d.glob(glob)):
+        m = pattern.match(f.name)
+        if m:
+            files[int(m.group(1))] = f
+    if not files:
+        want = "{step}.jsonl files (trainer.rollout_data_dir)" if fmt == "verl" else \
+            "completions/completions_{step:05d}.parquet files (log_completions=True)"
+        raise TraceError(f"--dump {directory} holds no {fmt} rollout dump: expected {want}")
+    return files
+
+
+def _text(value, path: Path, where: str, tokenizer, prompt: bool) -> list[int] | str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) or hasattr(value, "tolist"):  # conversational: a list of messages
+        msgs = list(value.tolist() if hasattr(value, "tolist") else value)
+        if all(isinstance(m, dict) and "content" in m for m in msgs):
+            if not prompt:
+                return "".join(str(m["content"]) for m in msgs)
+            if getattr(tokenizer, "chat_template", None):
+                return tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+            raise TraceError(f"{path}{where}: the prompt is a list of chat messages but the tokenizer has no chat "
+                             f"template; pass the run's tokenizer")
+    raise TraceError(f"{path}{where}: expected text, got {type(value).__name__}")
+
+
+def read_dump(directory: Path, fmt: str, tokenizer, add_special_tokens: bool = True) -> dict[int, "object"]:
+    """step -> DataFrame (prompt_id, sample_idx, token_ids, prompt_token_ids, prompt_text, reward,
+    retokenized) of a verl or TRL rollout dump; every problem is one TraceError naming the file."""
+    import hashlib
+
+    import pandas as pd
+    out = {}
+    for step, f in _dump_files(Path(directory), fmt).items():
+        if fmt == "verl":
+            rows = list(iter_jsonl(f))
+            need, where = VERL_FIELDS, lambda i: f":{rows[i][0]}"
+            records = [r for _, r in rows]
+        else:
+            try:
+                frame = pd.read_parquet(f)
+            except Exception as exc:
+                raise TraceError(f"{f}: not a readable parquet file ({exc})") from exc
+            need, where = TRL_FIELDS, lambda i: f" row {i}"
+            records = frame.to_dict("records")
+        if not records:
+            raise TraceError(f"{f} holds no rollouts")
+        for i, r in enumerate(records):
+            missing = [k for k in need if k not in r or r[k] is None]
+            if missing:
+                raise TraceError(f"{f}{where(i)}: missing field(s) {missing}; a {fmt} rollout dump row needs "
+                                 f"{list(need)}")
+        steps = sorted({int(r["step"]) for r in records})
+        if steps != [step]:
+            raise TraceError(f"{f}: rows of step(s) {steps[:4]} in the file of step {step}; a dump file holds one "
+                             f"step (split it, or fix the `step` field)")
+        if fmt == "verl":
+            rewards = [float(r["score"]) if r.get("score") is not None else math.nan for r in records]
+        else:
+            cols = [c for c in records[0] if c not in TRL_NOT_REWARDS]
+            col = "reward" if "reward" in cols else (cols[0] if len(cols) == 1 else None)
+            rewards = [float(r[col]) if col is not None and r[col] is not None else math.nan for r in records]
+        seen: dict[str, int] = {}
+        data = []
+        for i, r in enumerate(records):
+            prompt = _text(r["input"] if fmt == "verl" else r["prompt"], f, where(i), tokenizer, True)
+            output = _text(r["output"] if fmt == "verl" else r["completion"], f, where(i), tokenizer, False)
+            key = prompt if isinstance(prompt, str) else json.dumps(prompt)
+            pid = "h" + hashlib.sha1(key.encode()).hexdigest()[:12]
+            idx = seen.get(pid, 0)  # the n samples of a prompt, by order
+            seen[pid] = idx + 1
+            pids = prompt if not isinstance(prompt, str) else \
+                tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+            data.append({"prompt_id": pid, "sample_idx": idx, "prompt_text": key,
+                         "prompt_token_ids": [int(t) for t in pids],
+                         "token_ids": tokenizer(output, add_special_tokens=False)["input_ids"],
+                         "logprobs": None, "reward": rewards[i], "retokenized": True})
+        out[step] = pd.DataFrame(data)
+    return out
+
+
+def write_dump_log(steps: dict[int, "object"], out: Path) -> Path:
+    """A simulation log folder (``step_<N>.parquet``) for ``python -m bench.harness.simulate``."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise TraceError(f"--log-out {out} exists and is not empty; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    for step, df in steps.items():
+        df.drop(columns=["prompt_text"]).to_parquet(out / f"step_{step:05d}.parquet", index=False)
+    (out / "README.txt").write_text(RETOKENIZED_NOTE + "\n")
+    return out
+
+
+def _dump_prompts(steps: dict[int, "object"]) -> list[dict]:
+    prompts: dict[str, dict] = {}
+    for df in steps.values():
+        for pid, ids, text in zip(df["prompt_id"], df["prompt_token_ids"], df["prompt_text"]):
+            prompts.setdefault(pid, {"prompt_id": pid, "token_ids": list(ids), "steps": None,
+                                     "meta": {"text": text}})
+    return list(prompts.values())
+
+
+def import_trace(checkpoints: Path, prompts: Path | None, out: Path, rollouts: Path | None = None,
+                 steps_per_prompt_visit: int = 1, name: str | None = None, task: str | None = None,
+                 sampling: dict | None = None, tokenizer_dir: Path | None = None,
+                 add_special_tokens: bool = True, dump: Path | None = None,
+                 dump_format: str | None = None) -> Trace:
+    """Build and validate a trace in ``out`` (written to a temp dir, renamed when valid)."""
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    if out.exists():
+        raise TraceError(f"--out {out} already exists; choose a new directory")
+    ckpts = find_checkpoints(Path(checkpoints))
+    steps = [s for s, _ in ckpts]
+    if tokenizer_dir:
+        tok_dir, tok_ref = Path(tokenizer_dir), str(Path(tokenizer_dir).resolve())
+    else:
+        tok_step = next((s for s, d in ckpts
+                         if (d / "tokenizer.json").exists() or (d / "tokenizer_config.json").exists()), None)
+        if tok_step is None:
+            raise TraceError(f"no checkpoint under {checkpoints} holds tokenizer files; pass --tokenizer DIR")
+        tok_dir, tok_ref = dict(ckpts)[tok_step], checkpoint_relpath(tok_step)
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    if dump is not None:
+        if rollouts is not None:
+            raise TraceError("pass --rollouts or --dump, not both")
+        step_rollouts = read_dump(Path(dump), dump_format or "verl", tokenizer, add_special_tokens)
+        records = _dump_prompts(step_rollouts) if prompts is None else \
+            read_prompts(Path(prompts), tokenizer, add_special_tokens)
+    elif prompts is None:
+        raise TraceError("pass --prompts (or --dump with a rollout dump, whose prompts are used)")
+    else:
+        records = read_prompts(Path(prompts), tokenizer, add_special_tokens)
+    with_step = [r for r in records if r["steps"] is not None]
+    if with_step and len(with_step) != len(records):
+        raise TraceError(f"{prompts}: {len(with_step)} of {len(records)} prompts carry `step`; give it to "
+                         f"all prompts or to none")
+    if dump is None:
+        step_rollouts = read_rollouts(Path(rollouts), tokenizer, set(steps)) if rollouts else {}
+    steps = sorted(set(steps) | set(step_rollouts))  # a rollouts file without a checkpoint: rollouts only
+    if not 1 <= steps_per_prompt_visit <= len(records):
+        raise TraceError(f"--steps-per-prompt-visit must be in [1, {len(records)}] (number of prompts)")
+    per_step: dict[int, list[str]] = {s: [] for s in steps}
+    if with_step:
+        for r in records:
+            for s in r["steps"]:
+                if s not in per_step:
+                    raise TraceError(f"{prompts}: prompt {r['prompt_id']!r} has step {s}, which has no "
+                                     f"checkpoint under {checkpoints} (steps: {steps})")
+                per_step[s].append(r["prompt_id"])
+    else:
+        chunk = math.ceil(len(records) / steps_per_prompt_visit)
+        for k, s in enumerate(steps):
+            if s in step_rollouts:
+                per_step[s] = list(dict.fromkeys(step_rollouts[s]["prompt_id"]))
+            else:
+                part = k % steps_per_prompt_visit
+                per_step[s] = [r["prompt_id"] for r in records[part * chunk:(part + 1) * chunk]]
+    sampling = dict(sampling or {})
+    if sampling.get("max_new_tokens") is None:
+        if not step_rollouts:
+            raise TraceError("pass --max-new-tokens (the run's response length limit); it can only be "
+                             "inferred from --rollouts")
+        sampling["max_new_tokens"] = max(int(df["token_ids"].map(len).max()) for df in step_rollouts.values())
+    if sampling.get("n") is None:
+        sampling["n"] = max((int(df.groupby("prompt_id").size().max()) for df in step_rollouts.values()),
+                            default=1)
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+    vocab = json.loads((ckpts[0][1] / "config.json").read_text())
+    vocab = vocab.get("vocab_size") or (vocab.get("text_config") or {}).get("vocab_size")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.import-", dir=out.parent))
+    try:
+        extra = {"imported_from": str(Path(checkpoints).resolve())}
+        if dump is not None:
+            extra.update(rollouts_retokenized=True, rollouts_note=f"{dump_format or 'verl'} dump: {RETOKENIZED_NOTE}")
+        writer = TraceWriter(tmp, name or out.name, TraceSampling(**sampling), vocab_size=int(vocab),
+                             task=task, tokenizer=tok_ref, extra=extra)
+        writer.write_prompts([{"prompt_id": r["prompt_id"], "token_ids": r["token_ids"], **r["meta"]}
+                              for r in records])
+        known = {r["prompt_id"] for r in records}
+        ckpt_dirs = dict(ckpts)
+        for s in steps:
+            rel = None
+            if s in ckpt_dirs:
+                rel = checkpoint_relpath(s)
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                os.symlink(ckpt_dirs[s].resolve(), tmp / rel, target_is_directory=True)
+            roll = None
+            if s in step_rollouts:
+                df = step_rollouts[s].drop(columns=["prompt_text"], errors="ignore")
+                unknown = sorted(set(df["prompt_id"]) - known)[:3]
+                if unknown:
+                    raise TraceError(f"rollouts of step {s} name prompt ids {unknown} not in {prompts}")
+                roll = writer.write_rollouts(s, df)
+            writer.add_step(s, rel, per_step[s], roll)
+        Trace.load(tmp)  # validate before publishing
+        publish_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Trace.load(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoints", type=Path, help="run dir holding numbered checkpoints (a trace)")
+    ap.add_argument("--prompts", type=Path, help="prompts .jsonl (text or token_ids); not needed with --dump")
+    ap.add_argument("--out", type=Path, help="trace dir to create")
+    ap.add_argument("--rollouts", type=Path, help="dir of per-step rollout files (.jsonl/.parquet)")
+    ap.add_argument("--dump", type=Path, help="a real run's rollout dump dir (see --dump-format)")
+    ap.add_argument("--dump-format", choices=DUMP_FORMATS, default="verl",
+                    help="verl: trainer.rollout_data_dir {step}.jsonl; trl: GRPOTrainer log_completions parquet")
+    ap.add_argument("--log-out", type=Path, help="with --dump and no --checkpoints: write a simulation log here")
+    ap.add_argument("--steps-per-prompt-visit", type=int, default=1,
+                    help="steps between two visits of a prompt when prompts carry no `step`")
+    ap.add_argument("--tokenizer", type=Path, help="tokenizer dir (default: the first checkpoint's)")
+    ap.add_argument("--no-special-tokens", action="store_true", help="tokenize text without BOS etc.")
+    ap.add_argument("--name")
+    ap.add_argument("--task", help="task name for rewards (e.g. countdown); none by default")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, help="default: longest recorded rollout")
+    ap.add_argument("--n", type=int, help="samples per prompt (default: from rollouts, else 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.checkpoints is None:
+        if a.dump is None or a.log_out is None:
+            raise TraceError("pass --checkpoints RUN_DIR --out TRACE_DIR (a trace), or --dump DIR --tokenizer TOK "
+                             "--log-out LOG_DIR (a simulation log of a rollout dump)")
+        steps = read_dump(a.dump, a.dump_format, load_tokenizer(a.tokenizer), not a.no_special_tokens)
+        out = write_dump_log(steps, a.log_out)
+        print(f"wrote {sum(len(df) for df in steps.values())} rollouts of {len(steps)} steps to {out} "
+              f"(python -m bench.harness.simulate {out}); note: {RETOKENIZED_NOTE}")
+        return
+    if a.out is None:
+        raise TraceError("pass --out TRACE_DIR (the trace to create)")
+    if a.tokenizer is not None:
+        load_tokenizer(a.tokenizer)
+    sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,
+                "max_new_tokens": a.max_new_tokens, "n": a.n, "seed": a.seed}
+    trace = import_trace(a.checkpoints, a.prompts, a.out, a.rollouts, a.steps_per_prompt_visit, a.name,
+                         a.task, sampling, a.tokenizer, not a.no_special_tokens, dump=a.dump,
+                         dump_format=a.dump_format if a.dump else None)
+    print(f"wrote {trace} ({sum(len(s.prompt_ids) for s in trace.steps)} step-prompts, "
+          f"{sum(s.rollouts is not None for s in trace.steps)} steps with rollouts, "
+          f"{sum(s.checkpoint is None for s in trace.steps)} of them without a checkpoint) to {a.out}"
+          + (f"; note: {RETOKENIZED_NOTE}" if a.dump else ""))
+
+
+if __name__ == "__main__":
+    from bench.core.errors import run_main
+    run_main(main)
