@@ -44,7 +44,7 @@ def test_several_setups_of_one_engine_beside_another_engine(tmp_path):
     """torch_ref from two machines and in two dtypes beside vLLM: every figure drawn, none
     overwritten (one file per setup), one engine comparison with a series per setup."""
     from bench.report.collect import collect
-    from bench.report.plots import setup_id, setup_label
+    from bench.report.plot_style import setup_id, setup_label
     small, big = {"cpu": "Xeon 2c", "cores": 2}, {"cpu": "EPYC, 16c", "cores": 16, "gpu": "H200", "gpu_count": 1}
     runs = tmp_path / "runs"
     write_fake_run(runs, "ref_small", engine="torch_ref", hardware=small, engine_settings={"dtype": "float32"})

@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from bench.report.plots import BASELINE, STYLE, _colors, _groups, _name, _save, _title
+from bench.report.plot_style import BASELINE, STYLE, method_colors, figure_groups, figure_name, save_figure, figure_title
 from bench.report.results import load_iterations
 from bench.report.stats import TAIL_ROWS
 
@@ -41,7 +41,7 @@ def plot_live_rows(col, out_dir: Path) -> list[Path]:
             cache[run_id] = load_iterations(dirs[run_id]) if run_id in dirs else pd.DataFrame()
         return cache[run_id]
 
-    for g, grp in _groups(col.table):
+    for g, grp in figure_groups(col.table):
         rivals = grp[(grp["method"] != BASELINE) & grp["speedup"].notna()]
         base = grp[grp["method"] == BASELINE]
         if rivals.empty or base.empty:
@@ -58,7 +58,7 @@ def plot_live_rows(col, out_dir: Path) -> list[Path]:
         if not common:
             continue
         step = common[-1]
-        colors = _colors(col.table["method"])
+        colors = method_colors(col.table["method"])
         with plt.rc_context(STYLE):
             fig, ax = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
             for (method, _), f in zip(series, frames):
@@ -75,6 +75,6 @@ def plot_live_rows(col, out_dir: Path) -> list[Path]:
             ax.set_ylabel("live rows (running rollouts)")
             ax.set_ylim(bottom=0)
             ax.legend()
-            ax.set_title(_title("The tail of a step: live rows over time", g, col.table))
-            paths += _save(fig, out_dir, _name("live_rows", g))
+            ax.set_title(figure_title("The tail of a step: live rows over time", g, col.table))
+            paths += save_figure(fig, out_dir, figure_name("live_rows", g))
     return paths

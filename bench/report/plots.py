@@ -12,8 +12,6 @@ share a file) and the sampling; a title names the keys in which the engine's set
 from __future__ import annotations
 
 import argparse
-import hashlib
-import re
 from pathlib import Path
 from typing import Iterable
 
@@ -22,102 +20,21 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
 
 from bench.report.collect import GROUP, Collection, collect  # noqa: E402
 from bench.report.stats import accepted_length_hist  # noqa: E402
-
-STYLE = {"figure.dpi": 110, "savefig.dpi": 200, "font.size": 10, "axes.titlesize": 10,
-         "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
-         "grid.alpha": 0.3, "grid.linewidth": 0.6, "legend.frameon": False,
-         "savefig.bbox": "tight"}
-BASELINE = "baseline"
-
-
-def _colors(methods: Iterable[str]) -> dict[str, str]:
-    others = sorted(m for m in set(methods) if m != BASELINE)
-    palette = plt.get_cmap("tab10").colors
-    return {BASELINE: "0.45", **{m: palette[i % 10] for i, m in enumerate(others)}}
-
-
-def _short(sampling: str) -> str:
-    """'temperature=1 top_p=0.9 ...' -> 'T=1, top-p=0.9, top-k=-1, max 48 tok, seed 0'."""
-    s = dict(kv.split("=", 1) for kv in sampling.split())
-    return (f"T={s.get('temperature')}, top-p={s.get('top_p')}, top-k={s.get('top_k')}, "
-            f"max {s.get('max_new_tokens')} tok, seed {s.get('seed')}")
-
-
-def _slug(*parts: str) -> str:
-    short = [re.sub(r"[^A-Za-z0-9._+-]+", "-", str(p)).strip("-") for p in parts]
-    return "__".join(p for p in short if p)
-
-
-def _sampling_slug(sampling: str) -> str:
-    s = dict(kv.split("=", 1) for kv in sampling.split())
-    return "T{temperature}_p{top_p}_k{top_k}_n{max_new_tokens}_s{seed}".format_map(
-        {k: s.get(k, "?") for k in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")})
-
-
-def _save(fig, out_dir: Path, name: str) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{name}.{ext}" for ext in ("png", "pdf")]
-    for p in paths:
-        fig.savefig(p)
-    plt.close(fig)
-    return paths
-
-
-def _groups(df: pd.DataFrame, keys=GROUP):
-    for key, grp in df.groupby(list(keys), sort=True):
-        yield dict(zip(keys, key)), grp
-
-
-def setup_id(engine_config: str, hardware: str) -> str:
-    """A short stable name of an engine setup: 's' + 6 hex digits of its settings and hardware."""
-    return "s" + hashlib.sha1(f"{engine_config}\n{hardware}".encode()).hexdigest()[:6]
-
-
-def _pairs(label: str) -> dict[str, str]:
-    """'device=cpu, dtype=float32' -> {'device': 'cpu', 'dtype': 'float32'} (values may hold ', ')."""
-    parts = re.split(r", (?=[\w.\-]+=)", label or "")
-    return dict(p.split("=", 1) if "=" in p else (p, "") for p in parts if p)
-
-
-def setup_label(table: pd.DataFrame, engine: str, engine_config: str, hardware: str) -> str:
-    """The keys in which this setup differs from the engine's other setups in ``table``, e.g.
-    'dtype=bfloat16, cores=16'; '' when the engine has one setup there."""
-    rows = table[table["engine"] == engine][["engine_config", "hardware"]].drop_duplicates()
-    setups = [{**_pairs(c), **_pairs(h)} for c, h in zip(rows["engine_config"], rows["hardware"])]
-    if len(setups) < 2:
-        return ""
-    mine = {**_pairs(engine_config), **_pairs(hardware)}
-    keys = sorted({k for d in setups for k in d if len({d.get(k) for d in setups}) > 1})
-    return ", ".join(f"{k}={mine.get(k, 'unset')}" for k in keys)
-
-
-def _title(what: str, g: dict, table: pd.DataFrame | None = None) -> str:
-    where = f"trace {g['trace']}" + (f" · engine {g['engine']}" if "engine" in g else "")
-    if table is not None and "engine_config" in g:
-        label = setup_label(table, g["engine"], g["engine_config"], g["hardware"])
-        if label:
-            return (f"{what}\n{where} · {_short(g['sampling'])}\n"
-                    f"setup {setup_id(g['engine_config'], g['hardware'])}: {label}")
-    return f"{what}\n{where} · {_short(g['sampling'])}"
-
-
-def _name(what: str, g: dict) -> str:
-    setup = setup_id(g["engine_config"], g["hardware"]) if "engine_config" in g else ""
-    return _slug(what, g["trace"], g.get("engine", ""), setup, _sampling_slug(g["sampling"]))
+from bench.report.plot_style import (BASELINE, STYLE, figure_groups, figure_name, figure_title,  # noqa: E402
+                                     method_colors, save_figure, setup_label)
 
 
 def plot_speedup(col: Collection, out_dir: Path) -> list[Path]:
     """Bar per method: speedup over the baseline, error bars = spread across steps."""
     paths = []
-    for g, grp in _groups(col.table):
+    for g, grp in figure_groups(col.table):
         grp = grp[(grp["method"] != BASELINE) & grp["speedup"].notna()]
         if grp.empty:
             continue
-        colors = _colors(col.table["method"])
+        colors = method_colors(col.table["method"])
         with plt.rc_context(STYLE):
             fig, ax = plt.subplots(figsize=(max(4.8, 1.2 * len(grp)), 3.6), layout="constrained")
             x = np.arange(len(grp))
@@ -131,16 +48,16 @@ def plot_speedup(col: Collection, out_dir: Path) -> list[Path]:
                         fontsize=9, fontweight="bold", transform=ax.get_xaxis_transform())
             ax.set_xticks(x, grp["method"], rotation=20 if len(grp) > 3 else 0)
             ax.set_ylabel("speedup over baseline (×)")
-            ax.set_title(_title("Rollout speedup (error bars: ± s.d. across steps)", g, col.table))
-            paths += _save(fig, out_dir, _name("speedup", g))
+            ax.set_title(figure_title("Rollout speedup (error bars: ± s.d. across steps)", g, col.table))
+            paths += save_figure(fig, out_dir, figure_name("speedup", g))
     return paths
 
 
 def plot_step_curves(col: Collection, out_dir: Path) -> list[Path]:
     """Tokens per forward pass and acceptance rate vs training step, one line per method."""
     paths = []
-    colors = _colors(col.per_step["method"])
-    for g, grp in _groups(col.per_step):
+    colors = method_colors(col.per_step["method"])
+    for g, grp in figure_groups(col.per_step):
         with plt.rc_context(STYLE):
             fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), sharex=True, layout="constrained")
             for method, m in grp.sort_values("step").groupby("method"):
@@ -155,16 +72,16 @@ def plot_step_curves(col: Collection, out_dir: Path) -> list[Path]:
                 ax.set_xlabel("training step")
                 ax.xaxis.get_major_locator().set_params(integer=True)
             axes[0].legend()
-            fig.suptitle(_title("Drafting quality over training", g, col.table), fontsize=10)
-            paths += _save(fig, out_dir, _name("step_curves", g))
+            fig.suptitle(figure_title("Drafting quality over training", g, col.table), fontsize=10)
+            paths += save_figure(fig, out_dir, figure_name("step_curves", g))
     return paths
 
 
 def plot_rollout_time(col: Collection, out_dir: Path) -> list[Path]:
     """Wall seconds of each step's rollouts, one line per method."""
     paths = []
-    colors = _colors(col.per_step["method"])
-    for g, grp in _groups(col.per_step):
+    colors = method_colors(col.per_step["method"])
+    for g, grp in figure_groups(col.per_step):
         with plt.rc_context(STYLE):
             fig, ax = plt.subplots(figsize=(5.5, 3.6), layout="constrained")
             for method, m in grp.sort_values("step").groupby("method"):
@@ -175,18 +92,18 @@ def plot_rollout_time(col: Collection, out_dir: Path) -> list[Path]:
             ax.set_ylim(bottom=0)
             ax.xaxis.get_major_locator().set_params(integer=True)
             ax.legend()
-            ax.set_title(_title("Rollout time per step", g, col.table))
-            paths += _save(fig, out_dir, _name("rollout_time", g))
+            ax.set_title(figure_title("Rollout time per step", g, col.table))
+            paths += save_figure(fig, out_dir, figure_name("rollout_time", g))
     return paths
 
 
 def plot_accepted_length_hist(col: Collection, out_dir: Path) -> list[Path]:
     """Share of drafts by number of accepted tokens, bars per method (methods that draft)."""
     paths = []
-    colors = _colors(col.rollouts["method"])
+    colors = method_colors(col.rollouts["method"])
     hist = accepted_length_hist(col.rollouts, by=[*GROUP, "method"])
     hist = hist[hist.groupby([*GROUP, "method"])["drafts"].transform("sum") > 0]
-    for g, grp in _groups(hist):
+    for g, grp in figure_groups(hist):
         methods = sorted(grp["method"].unique())
         top = int(grp.loc[grp["drafts"] > 0, "accepted_length"].max())
         width = 0.8 / len(methods)
@@ -201,8 +118,8 @@ def plot_accepted_length_hist(col: Collection, out_dir: Path) -> list[Path]:
             ax.set_ylabel("fraction of drafts")
             ax.xaxis.get_major_locator().set_params(integer=True)
             ax.legend()
-            ax.set_title(_title("Accepted-length distribution", g, col.table))
-            paths += _save(fig, out_dir, _name("accepted_length", g))
+            ax.set_title(figure_title("Accepted-length distribution", g, col.table))
+            paths += save_figure(fig, out_dir, figure_name("accepted_length", g))
     return paths
 
 
@@ -210,7 +127,7 @@ def plot_engine_comparison(col: Collection, out_dir: Path) -> list[Path]:
     """Grouped bars method x engine setup (speedup, tokens/s); only where >= 2 engines ran. An
     engine with several setups (settings or hardware) gets one series per setup."""
     paths = []
-    for g, grp in _groups(col.table, keys=("trace", "sampling")):
+    for g, grp in figure_groups(col.table, keys=("trace", "sampling")):
         if grp["engine"].nunique() < 2:
             continue
         series = sorted(set(zip(grp["engine"], grp["engine_config"], grp["hardware"])))
@@ -235,8 +152,8 @@ def plot_engine_comparison(col: Collection, out_dir: Path) -> list[Path]:
             axes[0].axhline(1.0, color="0.3", lw=1, ls="--")
             fig.legend(*axes[0].get_legend_handles_labels(), title="engine (setup)", fontsize=8,
                        loc="outside lower center", ncols=min(3, len(series)))
-            fig.suptitle(_title("Engine comparison", g), fontsize=10)
-            paths += _save(fig, out_dir, _name("engines", g))
+            fig.suptitle(figure_title("Engine comparison", g), fontsize=10)
+            paths += save_figure(fig, out_dir, figure_name("engines", g))
     return paths
 
 

@@ -14,6 +14,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from bench.spec.latency import TAIL_ROWS  # noqa: F401  (the tail's definition; re-exported for the reports)
+
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 RATIOS = ("mean_acceptance_length", "acceptance_rate", "tokens_per_step", "draft_contribution")
 METRICS = ("num_rollouts", "output_tokens", "forward_passes", *COUNTERS, *RATIOS,
@@ -106,7 +108,6 @@ def accepted_length_hist(rollouts: pd.DataFrame, by: Sequence[str] = ("method",)
     return pd.DataFrame(rows, columns=[*by, "accepted_length", "drafts", "fraction"])
 
 
-TAIL_ROWS = 8  # "few live rows": the tail of a step, where speculation is said to pay
 
 
 def tail_share(iterations: pd.DataFrame, by: Sequence[str] = ("run_id", "method", "step"),

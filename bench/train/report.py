@@ -136,7 +136,7 @@ def figure(steps: pd.DataFrame, study: str, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.report.plots import STYLE
+    from bench.report.plot_style import STYLE
     sdf = steps[steps["study"] == study]
     settings = sorted(sdf["setting"].unique(), key=lambda s: (s != BASELINE, s))
     palette = plt.get_cmap("tab10").colors

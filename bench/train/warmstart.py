@@ -22,7 +22,7 @@ import torch
 
 from bench.core.errors import UserError
 from bench.traces.record import task as countdown
-from bench.traces.record.cache import cache_root
+from bench.core.paths import cache_root
 from bench.traces.record.grpo import RecordConfig, response_ids
 from bench.traces.format import publish_dir
 

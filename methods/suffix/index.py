@@ -45,7 +45,7 @@ from array import array
 from heapq import heappop, heappush
 from typing import Sequence
 
-from methods.suffix.tree import NO_SPECULATION, START, Speculation
+from methods.suffix.speculation import NO_SPECULATION, START, Speculation
 
 NO_TOKEN = -(1 << 31)  # "no transition" in a state's first-transition slot
 UNKNOWN = -2  # top child not known (a child lost occurrences): ranked again when asked

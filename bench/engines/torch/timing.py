@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -23,13 +23,15 @@ from bench.core.engine_protocol import Request
 from bench.engines.torch.kv_slots import SlotKVCache
 from bench.spec.scheduler import LiveRow
 from bench.engines.torch.block import Block
-from bench.engines.torch.engine import TorchRefEngine
 from bench.spec.latency import DEFAULT_CONTEXT
 from bench.spec.latency import DEFAULT_QUERY
 from bench.spec.latency import DEFAULT_ROWS
 from bench.spec.roofline import ModelShape
 import numpy as np
 import pandas as pd
+
+if TYPE_CHECKING:  # the engine imports this module when it profiles its table
+    from bench.engines.torch.engine import TorchRefEngine
 
 AUTO_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 AUTO_QUERY = (1, 2, 3, 5, 9, 17, 25)
@@ -111,7 +113,7 @@ def cached_latency_table(engine: TorchRefEngine):
     import pandas as pd
 
     from bench.spec.latency import LatencyTable
-    from bench.traces.record.cache import cache_root
+    from bench.core.paths import cache_root
     from bench.report.results import environment
     hw = environment()["hardware"]
     contexts = auto_contexts(engine.info.max_context)

@@ -21,16 +21,13 @@ from pathlib import Path
 
 import yaml
 
+from bench.core.paths import cache_root
 from bench.traces.format import MANIFEST, replace_dir
 from bench.traces.record.grpo import RECORDER_VERSION, RecordConfig, SearchRecordConfig
 
 BUNDLED = Path(__file__).resolve().parent / "bundled"  # traces recorded in advance, by cache name
 PRESETS = {"countdown": RecordConfig, "countdown-tiny": RecordConfig.tiny,
            "countdown-search": SearchRecordConfig, "countdown-search-tiny": SearchRecordConfig.tiny}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECROLLOUT_CACHE") or Path.home() / ".cache" / "specrollout")
 
 
 def _config_for(name: str, tiny: bool) -> RecordConfig:
