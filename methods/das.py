@@ -21,7 +21,7 @@ the torch engine and the simulator, a lower bound under vLLM's ``num_speculative
 with ``tokens`` they are token counts. Defaults are the community re-implementation's (its
 256 / 1024 tokens at a 4096-token cap as fractions; budgets 24 / 8 / 0; window 16 steps; two
 fresh steps counted twice; average weight 0.2), with vLLM ``method: suffix`` knobs depth 24,
-factor 2.0, min_prob 0.1 and its best-score rule (REFERENCE.md section 1b).
+factor 2.0, min_prob 0.1 and its best-score rule (docs/papers.md, "Newer anchors").
 """
 from __future__ import annotations
 

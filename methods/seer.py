@@ -15,7 +15,7 @@ min(``max_spec_tokens``, tokens left of ``max_batch_draft_tokens``), and its len
 from the pool; rows reached after the pool is spent do not draft this iteration. While the
 batch is full the pool limits the verification work; once the tail remains, each of its rows
 gets a full budget. ``max_batch_draft_tokens: null`` means no pool. Seer's code is not public:
-the pool is this suite's reading of its marginal-benefit policy (REFERENCE.md section 1b), and
+the pool is this suite's reading of its marginal-benefit policy (docs/papers.md, "Newer anchors"), and
 the other knobs are SRT's (depth 64, 24 tokens, factor 1.0, min_prob 0.1, longest match) so the
 two differ only in what the tree holds and who gets the budget. An engine that does not call
 the hook gets plain per-row drafts (counted as ``unallocated_proposals``).

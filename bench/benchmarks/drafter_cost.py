@@ -57,7 +57,7 @@ def drafter_cost(trace_name: str = "countdown-search", steps: int = 12, backend:
                  match: str | None = None, methods=None) -> list[dict]:
     """Replays the first ``steps`` checkpoint steps with every exact method and reports the share
     of the rollout wall time spent in the drafter (the harness must not be drafter-bound), with
-    the tokens per forward pass (output tokens / each rollout's passes, DESIGN.md section 5) and
+    the tokens per forward pass (output tokens / each rollout's passes, docs/results.md) and
     the batch's forward passes (engine iterations). A sparse trace (the main job's default) is
     replayed as the main job does: the rollouts-only steps before a checkpoint are fed to the
     drafter first (``bench.harness.replay.feed_recorded``, not timed). ``backend`` / ``match`` override

@@ -13,7 +13,7 @@ from bench.core.engine_protocol import Request
 
 def tiny_policy(out: Path, vocab: int = 64, hidden: int = 128, layers: int = 4, heads: int = 2,
                 scale: float = 1.0) -> Path:
-    """A random-init Llama of REFERENCE.md's size (about 1M parameters) with no EOS token, so
+    """A random-init Llama of about 1M parameters (the size docs/engines.md's CPU figures use) with no EOS token, so
     every rollout runs to max_new_tokens and both engines do the same work; ``scale`` multiplies
     the output layer (sharper next-token distributions)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM

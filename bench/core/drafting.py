@@ -124,7 +124,7 @@ def next_draft(drafter: Drafter, key: RolloutKey, output: Sequence[int], max_new
 
 @dataclass
 class DraftCounters:
-    """Per-rollout counters (DESIGN.md section 5; names as vLLM's).
+    """Per-rollout counters (docs/results.md; names as vLLM's).
 
     ``num_forward_passes`` counts every model pass that emitted tokens to the rollout, a scoring
     pass included: on torch_ref a draft proposed at output length 0 is verified inside the prefill

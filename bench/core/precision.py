@@ -1,7 +1,7 @@
 """Honest low precision: every divergence from the baseline is a near-tie or a rule divergence.
 
-Why this exists. Coupled sampling makes every exact method emit the baseline's tokens (DESIGN.md
-section 1), but only up to floating point: a batched or tree-shaped forward differs from a
+Why this exists. Coupled sampling makes every exact method emit the baseline's tokens
+(docs/design.md, "Coupled sampling"), but only up to floating point: a batched or tree-shaped forward differs from a
 one-token forward in the last bits of the logits, and a token flips when its coupled uniform lies
 within that difference of a CDF boundary. In float64 that never shows; in float32 it is about one
 token in a million; in bf16 on a 2,048-token random policy most 128-token rollouts differ

@@ -3,7 +3,7 @@
 The uniform used at output position t of rollout (prompt_id, sample_idx) at step s under seed k
 is a pure function of (k, s, prompt_id, sample_idx, t, stream). Exact verification samples the
 target with that same number at every draft position, so the baseline and every exact method
-emit the *same tokens* (DESIGN.md section 1). Exercised by ``pytest tests/test_sampling.py``.
+emit the *same tokens* (docs/design.md, "Coupled sampling"). Exercised by ``pytest tests/test_sampling.py``.
 """
 from __future__ import annotations
 

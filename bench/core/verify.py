@@ -1,6 +1,6 @@
 """THE verifier: one acceptance code path for every method and engine-agnostic rule.
 
-Rules (DESIGN.md section 3):
+Rules (docs/design.md, "The verifier"):
 - ``exact``: at each draft node sample y from the processed target with the coupled uniform of
   that output position; descend to the child whose token is y, else emit y and stop; after the
   last accepted node emit one more sampled token (the bonus). Lossless for any draft, chain or

@@ -5,7 +5,7 @@
 ``DRAFTERS`` maps a drafter class (the ``_target_`` of conf/method/*.yaml) to its knobs, in the
 constructor's order and with its defaults; ``METHODS`` lists each method config: the class, what it
 drafts, its verify rule and the knobs it sets differently. tests/test_knobs.py checks both against
-the constructors' signatures and the YAML files. Facts about paper defaults: REFERENCE.md sections 1-2.
+the constructors' signatures and the YAML files. Where each paper default comes from: docs/papers.md.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The metric definitions of DESIGN.md section 5, in one place (names follow vLLM's spec-decode counters).
+"""The metric definitions of docs/results.md ("Derived metrics"), in one place (names follow vLLM's spec-decode counters).
 
     python -m bench.report.collect results/runs      # prints these metrics per engine and method
 

@@ -2,7 +2,7 @@
 
     python -m bench.traces.format TRACE_DIR        # validate a trace and print its summary
 
-Layout (DESIGN.md section 4)::
+Layout (docs/design.md, "Traces")::
 
     trace.yaml                 name, tokenizer dir, task, sampling, vocab_size, steps
     prompts.jsonl              {"prompt_id", "token_ids", ...task metadata} per line

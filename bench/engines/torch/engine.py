@@ -120,7 +120,7 @@ class TorchRefEngine:
         """In fp16/bf16, compute the output layer in fp32 (an fp32 copy of its weight, refreshed at
         every load): logits rounded to bf16 (8 mantissa bits) would make near-ties between a
         batched and a one-token forward far more common. Sampling reads fp32 logits whatever the
-        model dtype (DESIGN.md section 1); costs vocab x hidden x 4 bytes of memory."""
+        model dtype (docs/design.md, "Coupled sampling"); costs vocab x hidden x 4 bytes of memory."""
         head = self.model.get_output_embeddings()
         if self.dtype not in (torch.float16, torch.bfloat16) or not isinstance(head, torch.nn.Linear):
             return
