@@ -2,7 +2,7 @@
 
     python -m bench.report.collect results/runs      # reads what this module writes
 
-Layout of ``<root>/<run-id>/`` (schemas in ``results/README.md``)::
+Layout of ``<root>/<run-id>/`` (schemas in ``docs/results.md``)::
 
     config.yaml                      resolved config; a reopened run must have the same one
     summary.json                     versions, git sha, engine, hardware, start/end, status
