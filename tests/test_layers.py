@@ -167,3 +167,10 @@ def test_the_checker_sees_a_cycle():
 @pytest.mark.parametrize("module", ["bench.spec.scheduler", "bench.core.verify"])
 def test_the_checker_reads_function_level_imports(module):
     assert _graph()[module], f"{module} imports nothing the checker saw"
+
+
+def test_the_architecture_page_names_every_package():
+    page = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    packages = sorted({m for m, p in _modules().items() if p.name == "__init__.py"})
+    missing = [m for m in packages if f"{m.split('.')[-1]}/" not in page]
+    assert not missing, f"docs/architecture.md does not show these packages (regenerate its tree): {missing}"

@@ -188,7 +188,7 @@ LogitsAt = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
-class _Row:
+class RowVerification:
     """Verification state of one row: per local node, what its logits decided."""
 
     draft: Draft
@@ -246,7 +246,7 @@ def verify_nodes(logits_at: LogitsAt, vocab: int, drafts: list[Draft], keys: tor
             children[p + 1].append(i + 1)
         if verify.rule == "ratio" and len(d) and not d.is_chain:
             raise ValueError("verify.rule=ratio verifies chain drafts only; use rule=exact for trees")
-        rows.append(_Row(d, node_depths(d), children, [None] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n,
+        rows.append(RowVerification(d, node_depths(d), children, [None] * n, [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n,
                          window=max(1, first)))
     if verify.rule == "ratio" and any(len(d) for d in drafts):
         width = max(len(d) for d in drafts)
@@ -268,7 +268,7 @@ def verify_nodes(logits_at: LogitsAt, vocab: int, drafts: list[Draft], keys: tor
     return [r.verdict for r in rows]
 
 
-def _read(todo: list[tuple[int, int]], rows: list[_Row], logits_at: LogitsAt, vocab: int, keys: list[int],
+def _read(todo: list[tuple[int, int]], rows: list[RowVerification], logits_at: LogitsAt, vocab: int, keys: list[int],
           out_lens: list[int], sampling: SamplingConfig, greedy: bool, chunk: int) -> None:
     """Read the logits of the (row, node) pairs ``todo`` chunk by chunk and record, per node, the
     sampled token and its logprob and margin, and each child's draft token's logprob and margin."""
@@ -315,7 +315,7 @@ def _read(todo: list[tuple[int, int]], rows: list[_Row], logits_at: LogitsAt, vo
             rows[b].lp_in[c], rows[b].mg_in[c] = lp[n + i], mg[n + i]
 
 
-def _descend(r: _Row, verify: VerifyConfig, greedy: bool) -> bool:
+def _descend(r: RowVerification, verify: VerifyConfig, greedy: bool) -> bool:
     """Run the rule over the nodes read so far; True (and ``r.verdict`` set) when more nodes
     cannot change the verdict, else False with ``r.start`` at the next node to read."""
     d, e = r.draft, r.end
