@@ -13,7 +13,8 @@ from bench.report.prediction import predict
 from bench.spec.latency import LatencyTable
 from bench.spec.roofline import Hardware, ModelShape, roofline_seconds
 from bench.report.results import RunWriter, load_iterations, load_run
-from bench.spec.policy import AcceptanceTracker, SpecPolicy
+from bench.spec.policy import SpecPolicy
+from bench.spec.policy_acceptance import AcceptanceTracker
 
 
 def cfg_for(*overrides):

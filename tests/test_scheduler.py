@@ -13,7 +13,8 @@ from bench.harness.simulate import run_step
 from bench.spec.recorded import recorded_rows
 from bench.spec.recorded import Recorded, RecordedBackend
 from bench.spec.scheduler import Scheduler
-from bench.spec.policy import SpecPolicy, TableLookup
+from bench.spec.policy import SpecPolicy
+from bench.spec.policy_table import TableLookup
 from bench.core.verify import VerifyConfig
 from methods.base import Draft, NullDrafter, RolloutKey
 from methods.baseline import Baseline

@@ -9,7 +9,10 @@ import pytest
 
 from bench.engines.torch.timing import robust_seconds
 from bench.spec.latency import LatencyTable
-from bench.spec.policy import CONTEXT_STEP, AcceptanceTracker, LinearFit, SpecPolicy, TableLookup
+from bench.spec.policy import SpecPolicy
+from bench.spec.policy_acceptance import AcceptanceTracker
+from bench.spec.policy_costs import LinearFit
+from bench.spec.policy_table import CONTEXT_STEP, TableLookup
 from methods.base import Draft
 
 

@@ -36,7 +36,7 @@ class TablePrices:
     roofline prices the real query tokens, as ``bench.spec.latency.pass_seconds`` does)."""
 
     def __init__(self, table):
-        from bench.spec.policy import TableLookup
+        from bench.spec.policy_table import TableLookup
         if not hasattr(table, "query_seconds"):
             raise ValueError("priced seconds need a latency table (python -m bench.benchmarks latency profile writes one)")
         self.table = table

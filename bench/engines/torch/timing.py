@@ -137,7 +137,7 @@ def robust_seconds(frame):
     jobs only ever add time), then made monotone, since a pass of fewer rows or query tokens
     never costs more: seconds(r, q, c) = min over r' >= r, q' >= q of the fastest seconds (a slow
     outlier at a small shape is replaced, one at the largest shape stays). The scale of the
-    machine's speed at run time is the policy's own measurement (``bench.spec.policy``)."""
+    machine's speed at run time is the policy's own measurement (``bench.spec.policy_costs``)."""
     out = frame.copy()
     out["seconds_median"] = out["seconds"]
     out["seconds"] = out["seconds_min"]
