@@ -259,12 +259,13 @@ def test_sweeps_from_other_config_files_are_left_to_hydra():
 
 
 def test_the_bundled_sweeps_expand_and_validate():
+    from bench.harness.config_checks import check_methods
     from bench.knobs.sweep import job_overrides, validate_sweep
     assert [j[0] for j in job_overrides(str(CONF), "bench", ["-m", "sweep=spec_tokens"])] == [
         f"method.tree_cache.drafter.max_spec_tokens={k}" for k in (8, 16, 24)]
     assert validate_sweep(str(CONF), "bench", ["-m", "sweep=methods"], cli.check_job) == len(METHODS)
     assert validate_sweep(str(CONF), "bench", ["-m", "experiment=lenience"], cli.check_job) == 5
-    assert validate_sweep(str(CONF), "train", ["-m"], cli._check_methods) == 45
+    assert validate_sweep(str(CONF), "train", ["-m"], check_methods) == 45
 
 
 def test_listings(monkeypatch, capsys):

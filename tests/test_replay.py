@@ -222,14 +222,15 @@ def test_interleaved_timing_changes_no_token_or_count_and_resumes(tmp_path, monk
 
 
 def test_interleave_needs_an_engine_that_runs_one_iteration_at_a_time():
-    from bench.harness.cli import UserError, _check_interleave
+    from bench.core.errors import UserError
+    from bench.harness.config_checks import check_interleave
     from bench.engines.vllm.adapter import VLLMEngine
     with pytest.raises(UserError, match="interleave=false"):
-        _check_interleave(cfg_for("engine=vllm", "interleave=true"), VLLMEngine)
+        check_interleave(cfg_for("engine=vllm", "interleave=true"), VLLMEngine)
     with pytest.raises(UserError, match="true or false"):
-        _check_interleave(cfg_for("interleave=3"), TorchRefEngine)
+        check_interleave(cfg_for("interleave=3"), TorchRefEngine)
     with pytest.raises(UserError, match="interleave_turn=0"):
-        _check_interleave(cfg_for("interleave=true", "interleave_turn=0"), TorchRefEngine)
+        check_interleave(cfg_for("interleave=true", "interleave_turn=0"), TorchRefEngine)
 
 
 def test_resume_after_a_real_kill_mid_unit_equals_the_uninterrupted_run(tmp_path):

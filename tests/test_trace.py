@@ -11,9 +11,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.traces.format import Trace, TraceError, TraceSampling, TraceWriter
+from bench.traces.format import Trace, TraceError, TraceSampling
 from bench.traces.importer import find_checkpoints, import_trace
 from bench.traces.importer import main as import_main
+from bench.traces.writer import TraceWriter
 
 SAMPLING = TraceSampling(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=16, n=2, seed=3)
 
@@ -139,7 +140,7 @@ def _break_manifest_keys(root, ckpt):
 
 
 @pytest.mark.parametrize("breaker, message", [
-    (_break_missing_manifest, r"trace\.yaml not found: .*`python -m bench\.record --out"),
+    (_break_missing_manifest, r"trace\.yaml not found: .*`python -m bench\.traces\.record --out"),
     (_break_missing_prompts, r"prompts\.jsonl not found"),
     (_break_missing_checkpoint, r"checkpoint .*step_00001 of step 1 does not exist; fix its path in .*trace\.yaml"),
     (_break_vocab, r"step_00001/config\.json vocab_size 30 differs from the trace's 24"),

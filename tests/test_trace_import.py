@@ -18,8 +18,9 @@ import pytest
 
 from bench.core.errors import UserError
 from bench.traces.format import TraceError
-from bench.traces.importer import RETOKENIZED_NOTE, import_trace, read_dump
+from bench.traces.importer import import_trace
 from bench.traces.importer import main as import_main
+from bench.traces.rollout_dumps import RETOKENIZED_NOTE, read_dump
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

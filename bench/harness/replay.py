@@ -143,14 +143,7 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
     k = 1 and 1.015x at k = 4 (the default), and the baseline against itself stayed within 1% at
     both (results/LOG.md).
     """
-    if timing_repeats < 1:
-        raise ValueError(f"timing_repeats must be >= 1, got {timing_repeats}")
-    if not isinstance(interleave_turn, int) or isinstance(interleave_turn, bool) or interleave_turn < 1:
-        raise ValueError(f"interleave_turn must be a whole number >= 1 (iterations a turn), got {interleave_turn!r}")
-    if interleave and not (hasattr(engine, "rollout_steps") and hasattr(engine, "sibling")):
-        raise ValueError(f"interleave=true needs an engine that runs a rollout call one iteration at a time "
-                         f"(torch_ref); engine {getattr(engine, 'name', type(engine).__name__)} does not: "
-                         f"set interleave=false")
+    _check_replay(engine, timing_repeats, interleave, interleave_turn)
     steps = list(steps if steps is not None else trace.step_numbers)
     n = n or trace.sampling.n
     labels = dict(labels or {})
@@ -158,8 +151,9 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
     drafters = {m.name: resumed_drafter(m, steps, done, writer) for m in methods}
     engines = {m.name: engine.sibling() if interleave else engine for m in methods}  # who runs each method
     bar = tqdm(steps, desc="replay", disable=not progress, unit="step")
+    run = _Replay(engine, engines, drafters, writer, bar, timing_repeats, interleave, interleave_turn,
+                  stop_after_units)
     warmed = False
-    committed = 0
     for i, step in enumerate(bar):
         todo = [m for m in methods if (step, m.name) not in done]
         if not todo:
@@ -172,83 +166,139 @@ def replay(trace: Trace, engine: Engine, methods: list[MethodSpec], sampling: Sa
         if not warmed:  # one throwaway call so one-time costs (allocator, kernels) hit no method's clock
             engine.rollout(requests[:1], sampling, NullDrafter(), VerifyConfig())
             warmed = True
-        recorded = _recorded_tokens(trace, step)
-        next_step = steps[i + 1] if i + 1 < len(steps) else None
+        ctx = _Step(trace, step, i, steps[i + 1] if i + 1 < len(steps) else None, n, requests, sampling,
+                    _recorded_tokens(trace, step), labels, timing_repeats > 1)
         fed = trace.fed_steps(steps[i - 1] if i else None, step)  # sparse: rollouts-only steps before
-        start_state = {}
-        for m in todo:
-            drafter = drafters[m.name]
-            for s in fed:  # part of this unit: its snapshot holds them, so a resume is exact
-                feed_recorded(drafter, trace, s)
-            drafter.begin_step(step)
-            if hasattr(drafter, "reset_stats"):
-                drafter.reset_stats()  # counters per step; cache sizes are state and stay
-            if timing_repeats > 1:
-                start_state[m.name] = pickle.dumps(drafter, protocol=5), _policy_state(engines[m.name], drafter)
-        timed: dict[str, list[dict]] = {m.name: [] for m in todo}
-        for rep in range(timing_repeats):
-            shift = (i + rep) % len(todo)  # rotate the order so no method is always first after a checkpoint swap
-            order = todo[shift:] + todo[:shift]
-            for m in order:
-                if rep:  # every repeat from the step's starting state, in the same object (the engine's
-                    _restore(drafters[m.name], start_state[m.name][0])  # policy keeps its fits by drafter),
-                    _restore_policy_state(engines[m.name], drafters[m.name], start_state[m.name][1])  # same evidence
-            repeat = f" ({rep + 1}/{timing_repeats})" if timing_repeats > 1 else ""
-            if interleave:
-                bar.set_postfix_str(f"step {step}: {len(order)} methods interleaved{repeat}")
-                units = _interleaved_units(engines, drafters, order, requests, sampling, trace, step, n,
-                                           next_step, recorded, labels, timing_repeats > 1, interleave_turn)
-            for m in order:
-                drafter = drafters[m.name]
-                if interleave:
-                    timed[m.name].append(units[m.name])
-                else:
-                    bar.set_postfix_str(f"step {step}: {m.name}{repeat}")
-                    timed[m.name].append(_timed_unit(engine, requests, sampling, drafter, m, trace, step, n,
-                                                     next_step, recorded, labels, timing_repeats > 1))
-                if rep < timing_repeats - 1:
-                    continue
-                runs = timed.pop(m.name)  # its last repeat: the unit is committed now, as its median repeat
-                kept = sorted(runs, key=lambda u: u["wall"])[(len(runs) - 1) // 2]
-                if len(runs) > 1:
-                    _restore(drafter, kept["state"])
-                    _restore_policy_state(engines[m.name], drafter, kept["policy"])
-                    walls = [u["wall"] for u in runs]
-                    kept["srow"].update(timing_repeats=len(runs), wall_s_min=min(walls), wall_s_max=max(walls))
-                writer.write_unit(step, m.name, kept["rows"], kept["srow"],
-                                  drafter_state=pickle.dumps(drafter, protocol=5), iteration_rows=kept["iterations"])
-                committed += 1
-                if stop_after_units is not None and committed >= stop_after_units:
-                    raise ReplayInterrupted(f"stopped after {committed} unit(s) (stop_after_units)")
+        start_state = _begin_units(run, ctx, todo, fed)
+        _time_step(run, ctx, todo, start_state)
     writer.finish()
 
 
-def _timed_unit(engine: Engine, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
-                m: MethodSpec, trace: Trace, step: int, n: int, next_step: int | None,
-                recorded: dict | None, labels: dict, keep_state: bool) -> dict:
+def _check_replay(engine: Engine, timing_repeats: int, interleave: bool, interleave_turn: int) -> None:
+    if timing_repeats < 1:
+        raise ValueError(f"timing_repeats must be >= 1, got {timing_repeats}")
+    if not isinstance(interleave_turn, int) or isinstance(interleave_turn, bool) or interleave_turn < 1:
+        raise ValueError(f"interleave_turn must be a whole number >= 1 (iterations a turn), got {interleave_turn!r}")
+    if interleave and not (hasattr(engine, "rollout_steps") and hasattr(engine, "sibling")):
+        raise ValueError(f"interleave=true needs an engine that runs a rollout call one iteration at a time "
+                         f"(torch_ref); engine {getattr(engine, 'name', type(engine).__name__)} does not: "
+                         f"set interleave=false")
+
+
+@dataclass
+class _Replay:
+    """One ``replay`` call across its steps: the engines and drafters of the methods, where the
+    units go, how they are timed, and how many were committed."""
+
+    engine: Engine  # loads each step's checkpoint; times every unit unless interleaved
+    engines: dict[str, Engine]  # by method: the engine itself, or (interleaved) a sibling of its own
+    drafters: dict[str, Drafter]
+    writer: RunWriter
+    bar: Any
+    timing_repeats: int
+    interleave: bool
+    interleave_turn: int
+    stop_after_units: int | None
+    committed: int = 0
+
+
+@dataclass
+class _Step:
+    """What every unit of one step shares."""
+
+    trace: Trace
+    step: int
+    index: int  # the step's place among the replayed steps (it rotates the methods' order)
+    next_step: int | None  # the next replayed step (run-ahead rollouts anticipate it), None after the last
+    n: int
+    requests: list[Request]
+    sampling: SamplingConfig
+    recorded: dict | None  # the trace's recorded tokens by (prompt id, sample), None without
+    labels: dict
+    keep_state: bool  # timing repeats: every unit keeps the drafter's and the policy's state after it
+
+
+def _begin_units(run: _Replay, ctx: _Step, todo: list[MethodSpec], fed: list[int]) -> dict:
+    """Start the step's units: each drafter is fed the rollouts-only steps ``fed`` and begins the
+    step. Returns, for timing repeats, each method's (pickled drafter, policy state) at its start."""
+    start_state = {}
+    for m in todo:
+        drafter = run.drafters[m.name]
+        for s in fed:  # part of this unit: its snapshot holds them, so a resume is exact
+            feed_recorded(drafter, ctx.trace, s)
+        drafter.begin_step(ctx.step)
+        if hasattr(drafter, "reset_stats"):
+            drafter.reset_stats()  # counters per step; cache sizes are state and stay
+        if run.timing_repeats > 1:
+            start_state[m.name] = pickle.dumps(drafter, protocol=5), _policy_state(run.engines[m.name], drafter)
+    return start_state
+
+
+def _time_step(run: _Replay, ctx: _Step, todo: list[MethodSpec], start_state: dict) -> None:
+    """Every repeat of the step's units, each in another order; a method's unit is committed after
+    its last repeat."""
+    timed: dict[str, list[dict]] = {m.name: [] for m in todo}
+    for rep in range(run.timing_repeats):
+        shift = (ctx.index + rep) % len(todo)  # rotate the order so no method is always first after a checkpoint swap
+        order = todo[shift:] + todo[:shift]
+        for m in order:
+            if rep:  # every repeat from the step's starting state, in the same object (the engine's
+                _restore(run.drafters[m.name], start_state[m.name][0])  # policy keeps its fits by drafter),
+                _restore_policy_state(run.engines[m.name], run.drafters[m.name], start_state[m.name][1])  # same evidence
+        repeat = f" ({rep + 1}/{run.timing_repeats})" if run.timing_repeats > 1 else ""
+        if run.interleave:
+            run.bar.set_postfix_str(f"step {ctx.step}: {len(order)} methods interleaved{repeat}")
+            units = _interleaved_units(run.engines, run.drafters, order, ctx, run.interleave_turn)
+        for m in order:
+            if run.interleave:
+                timed[m.name].append(units[m.name])
+            else:
+                run.bar.set_postfix_str(f"step {ctx.step}: {m.name}{repeat}")
+                timed[m.name].append(_timed_unit(run.engine, run.drafters[m.name], m, ctx))
+            if rep < run.timing_repeats - 1:
+                continue
+            _commit(run, ctx.step, m, timed.pop(m.name))  # its last repeat: the unit is committed now
+
+
+def _commit(run: _Replay, step: int, m: MethodSpec, runs: list[dict]) -> None:
+    """Commit a unit as its repeat of median seconds (its state restored into the drafter and the
+    engine's policy); after ``stop_after_units`` units, raise ReplayInterrupted."""
+    drafter = run.drafters[m.name]
+    kept = sorted(runs, key=lambda u: u["wall"])[(len(runs) - 1) // 2]
+    if len(runs) > 1:
+        _restore(drafter, kept["state"])
+        _restore_policy_state(run.engines[m.name], drafter, kept["policy"])
+        walls = [u["wall"] for u in runs]
+        kept["srow"].update(timing_repeats=len(runs), wall_s_min=min(walls), wall_s_max=max(walls))
+    run.writer.write_unit(step, m.name, kept["rows"], kept["srow"],
+                          drafter_state=pickle.dumps(drafter, protocol=5), iteration_rows=kept["iterations"])
+    run.committed += 1
+    if run.stop_after_units is not None and run.committed >= run.stop_after_units:
+        raise ReplayInterrupted(f"stopped after {run.committed} unit(s) (stop_after_units)")
+
+
+def _timed_unit(engine: Engine, drafter: Drafter, m: MethodSpec, ctx: _Step) -> dict:
     """One timed rollout call of a unit: its rollout rows, step row, iteration log and (for
     timing repeats) the drafter's state after it."""
-    run_ahead = _run_ahead(m, trace, step, next_step, n)
+    run_ahead = _run_ahead(m, ctx)
     gc.collect()  # a collector pause belongs to no method's clock
-    _warm_up(engine, requests, sampling)
+    _warm_up(engine, ctx.requests, ctx.sampling)
     t0 = time.perf_counter()
-    rollouts = engine.rollout(requests, sampling, drafter, m.verify, run_ahead=run_ahead)
+    rollouts = engine.rollout(ctx.requests, ctx.sampling, drafter, m.verify, run_ahead=run_ahead)
     wall = time.perf_counter() - t0
-    return _unit(engine, rollouts, wall, drafter, m, trace, recorded, labels, keep_state)
+    return _unit(engine, rollouts, wall, drafter, m, ctx)
 
 
 def _interleaved_units(engines: dict[str, Engine], drafters: dict[str, Drafter], order: list[MethodSpec],
-                       requests: list[Request], sampling: SamplingConfig, trace: Trace, step: int, n: int,
-                       next_step: int | None, recorded: dict | None, labels: dict, keep_state: bool,
-                       turn: int) -> dict:
+                       ctx: _Step, turn: int) -> dict:
     """The rollout calls of ``order``'s methods advanced together, ``turn`` iterations of each in
     turn (``rollout_steps``), each on its own engine: per method the unit ``_timed_unit`` would
     give, its seconds the sum of its own turns'."""
-    run_ahead = {m.name: _run_ahead(m, trace, step, next_step, n) for m in order}
+    run_ahead = {m.name: _run_ahead(m, ctx) for m in order}
     gc.collect()
     for m in order:
-        _warm_up(engines[m.name], requests, sampling)
-    calls = {m.name: engines[m.name].rollout_steps(requests, sampling, drafters[m.name], m.verify,
+        _warm_up(engines[m.name], ctx.requests, ctx.sampling)
+    calls = {m.name: engines[m.name].rollout_steps(ctx.requests, ctx.sampling, drafters[m.name], m.verify,
                                                    run_ahead=run_ahead[m.name]) for m in order}
     walls = dict.fromkeys(calls, 0.0)
     rollouts: dict[str, list[Rollout]] = {}
@@ -262,17 +312,17 @@ def _interleaved_units(engines: dict[str, Engine], drafters: dict[str, Drafter],
                 rollouts[name] = finished.value
                 del calls[name]
             walls[name] += time.perf_counter() - t0
-    units = {m.name: _unit(engines[m.name], rollouts[m.name], walls[m.name], drafters[m.name], m, trace, recorded,
-                           labels, keep_state) for m in order}
+    units = {m.name: _unit(engines[m.name], rollouts[m.name], walls[m.name], drafters[m.name], m, ctx)
+             for m in order}
     for unit in units.values():
         unit["srow"]["interleaved"] = len(order)  # steps.parquet: how many calls ran together
     return units
 
 
-def _run_ahead(m: MethodSpec, trace: Trace, step: int, next_step: int | None, n: int) -> "RunAheadQueue | None":
+def _run_ahead(m: MethodSpec, ctx: _Step) -> "RunAheadQueue | None":
     """The run-ahead rollouts a unit may admit (SRT's: the next step's prompts), None without."""
-    if m.run_ahead and next_step is not None:
-        return RunAheadQueue(run_ahead_requests(trace, step, next_step, n))
+    if m.run_ahead and ctx.next_step is not None:
+        return RunAheadQueue(run_ahead_requests(ctx.trace, ctx.step, ctx.next_step, ctx.n))
     return None
 
 
@@ -282,9 +332,10 @@ def _warm_up(engine: Engine, requests: list[Request], sampling: SamplingConfig) 
         warm_up(requests, sampling)
 
 
-def _unit(engine: Engine, rollouts: list[Rollout], wall: float, drafter: Drafter, m: MethodSpec, trace: Trace,
-          recorded: dict | None, labels: dict, keep_state: bool) -> dict:
+def _unit(engine: Engine, rollouts: list[Rollout], wall: float, drafter: Drafter, m: MethodSpec,
+          ctx: _Step) -> dict:
     """A finished rollout call as a unit: rollout rows, step row, iteration log, drafter state."""
+    trace, recorded, labels, keep_state = ctx.trace, ctx.recorded, ctx.labels, ctx.keep_state
     rows = [rollout_row(r, **labels, method=m.name,
                         reward=trace.reward(r.key.prompt_id, r.token_ids) if trace.has_reward else None,
                         matches_recorded=None if recorded is None or r.run_ahead else

@@ -2,7 +2,7 @@
 
     from bench.knobs.check import validate; validate(cfg)    # raises UserError with one line
 
-bench.harness.cli.prepare calls :func:`validate` first: every method's drafter knobs, verify rule and entry
+bench.harness.config_checks.prepare calls :func:`validate` first: every method's drafter knobs, verify rule and entry
 keys, the engine's settings and the sampling group. A drafter class or engine without a schema (a
 config from another search path) is left to its constructor's own checks.
 """

@@ -9,7 +9,8 @@ Layout (docs/design.md, "Traces")::
     checkpoints/step_00000/    a Hugging Face checkpoint per step (or a symlink to one)
     rollouts/step_00000.parquet  optional: prompt_id, sample_idx, token_ids, logprobs, reward
 
-Every problem found on load raises one :class:`TraceError` naming the file and the fix.
+Every problem found on load raises one :class:`TraceError` naming the file and the fix. Traces are
+written with ``bench.traces.writer.TraceWriter``.
 """
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ import argparse
 import hashlib
 import importlib
 import json
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
@@ -119,7 +119,7 @@ def _config_vocab_and_context(ckpt: Path) -> tuple[int, int]:
 
 
 class Trace:
-    """A validated trace directory. Build with :meth:`load`; write with :class:`TraceWriter`."""
+    """A validated trace directory. Build with :meth:`load`; write with ``bench.traces.writer.TraceWriter``."""
 
     def __init__(self, root: Path, manifest: dict, prompts: dict[str, list[int]],
                  prompt_meta: dict[str, dict]):
@@ -321,89 +321,6 @@ class Trace:
     def __repr__(self) -> str:
         return (f"Trace({self.name!r}, {len(self.steps)} steps, {len(self.prompts)} prompts, "
                 f"task={self.task!r}, root={str(self.root)!r})")
-
-
-@dataclass
-class TraceWriter:
-    """Writes a trace directory incrementally; the manifest is rewritten atomically per step."""
-
-    root: Path
-    name: str
-    sampling: TraceSampling
-    vocab_size: int
-    task: str | None = None
-    tokenizer: str = "tokenizer"
-    extra: dict = field(default_factory=dict)
-    steps: list[TraceStep] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.root = Path(self.root)
-        self.root.mkdir(parents=True, exist_ok=True)
-
-    def write_prompts(self, records: list[dict]) -> None:
-        """records: dicts with prompt_id, token_ids and any task metadata."""
-        lines = [json.dumps({"prompt_id": str(r["prompt_id"]), "token_ids": [int(t) for t in r["token_ids"]],
-                             **{k: v for k, v in r.items() if k not in ("prompt_id", "token_ids")}})
-                 for r in records]
-        _atomic_write(self.root / PROMPTS, "\n".join(lines) + "\n")
-
-    def write_rollouts(self, step: int, df) -> str:
-        missing = [c for c in ROLLOUT_COLUMNS if c not in df.columns]
-        if missing:
-            raise ValueError(f"rollouts of step {step} lack columns {missing}")
-        rel = rollouts_relpath(step)
-        (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / (rel + ".tmp")
-        df.to_parquet(tmp, index=False)
-        os.replace(tmp, self.root / rel)
-        return rel
-
-    def add_step(self, step: int, checkpoint: str | None, prompt_ids: list[str], rollouts: str | None = None) -> None:
-        """``checkpoint`` None: a rollouts-only step (sparse checkpoints; ``rollouts`` required)."""
-        if checkpoint is None and rollouts is None:
-            raise ValueError(f"step {step} needs a checkpoint or rollouts")
-        self.steps.append(TraceStep(step, None if checkpoint is None else str(checkpoint),
-                                    [str(p) for p in prompt_ids], rollouts))
-        self.write_manifest()
-
-    def write_manifest(self) -> None:
-        manifest = {"format_version": FORMAT_VERSION, "name": self.name, "task": self.task,
-                    "tokenizer": self.tokenizer, "vocab_size": int(self.vocab_size),
-                    "sampling": asdict(self.sampling), **self.extra,
-                    "steps": [{k: v for k, v in asdict(s).items() if v is not None} for s in self.steps]}
-        _atomic_write(self.root / MANIFEST, yaml.safe_dump(manifest, sort_keys=False, width=120))
-
-
-def publish_dir(tmp: Path, target: Path) -> None:
-    """Rename a finished temp dir into place, with the permissions of a normally created dir."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    os.replace(tmp, target)
-
-
-def replace_dir(tmp: Path, target: Path, is_current) -> None:
-    """Publish the finished ``tmp`` as ``target``: an existing ``target`` that is not current (stale,
-    partial) is moved aside and deleted first; when a concurrent writer published a current one in
-    the meantime, ``tmp`` is dropped instead. ``is_current(target) -> bool``."""
-    import shutil
-    import tempfile
-    if target.exists() and not is_current(target):
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
-        os.replace(target, old / target.name)
-        shutil.rmtree(old, ignore_errors=True)
-    try:
-        publish_dir(tmp, target)
-    except OSError:  # a concurrent writer published first
-        if not is_current(target):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def main() -> None:

@@ -16,7 +16,8 @@ reward are optional. A rollouts file of a step without a checkpoint makes a roll
 (a sparse trace: the replay feeds it to the drafters).
 
 Rollout dumps of real runs (``--dump DIR --dump-format verl|trl``, decoded text re-tokenized with
-the run's tokenizer; the prompts then come from the dump, ``--prompts`` is not needed):
+the run's tokenizer; the prompts then come from the dump, ``--prompts`` is not needed; read by
+``bench.traces.rollout_dumps``):
 
 - ``verl``: ``trainer.rollout_data_dir``, one ``{step}.jsonl`` per step, rows ``input``, ``output``
   (decoded with special tokens skipped), ``score``, ``step`` (``gts`` and reward extras kept out);
@@ -43,7 +44,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from bench.traces.format import Trace, TraceError, TraceSampling, TraceWriter, checkpoint_relpath, iter_jsonl, publish_dir
+from bench.traces.format import Trace, TraceError, TraceSampling, checkpoint_relpath, iter_jsonl
+from bench.traces.rollout_dumps import (DUMP_FORMATS, RETOKENIZED_NOTE, dump_prompts, load_tokenizer, read_dump,
+                                       write_dump_log)
+from bench.traces.writer import TraceWriter, publish_dir
 
 STEP_PATTERNS = [re.compile(p) for p in (r"^global_step_(\d+)$", r"^checkpoint-(\d+)$", r"^step_?(\d+)$")]
 
@@ -146,178 +150,27 @@ def read_rollouts(directory: Path, tokenizer, steps: set[int]) -> dict[int, "obj
     return out
 
 
-
-# ---------------------------------------------------------------- rollout dumps of real runs
-
-DUMP_FORMATS = ("verl", "trl")
-VERL_FIELDS = ("input", "output", "step")
-TRL_FIELDS = ("step", "prompt", "completion")
-TRL_NOT_REWARDS = {"step", "prompt", "completion", "advantage", "mode", "image", "images"}
-RETOKENIZED_NOTE = ("token ids re-tokenized from decoded text (special tokens were stripped), so they may "
-                    "differ from the ids the run generated")
-
-
-def load_tokenizer(path: Path | str | None, what: str = "--tokenizer"):
-    """A Hugging Face tokenizer from a local dir; a missing or unreadable one is a TraceError."""
-    if path is None:
-        raise TraceError(f"re-tokenizing a rollout dump needs the run's tokenizer: pass {what} DIR "
-                         f"(a saved Hugging Face tokenizer)")
-    p = Path(path)
-    if not p.is_dir() or not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        raise TraceError(f"{what} {p}: unknown tokenizer (no tokenizer.json or tokenizer_config.json there); "
-                         f"pass the run's saved tokenizer dir")
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(str(p))
-    except Exception as exc:  # a corrupt file: say which dir
-        raise TraceError(f"{what} {p}: the tokenizer cannot be loaded ({exc}); pass the run's saved tokenizer dir") from exc
-
-
-def _dump_files(directory: Path, fmt: str) -> dict[int, Path]:
-    d = Path(directory)
-    if fmt not in DUMP_FORMATS:
-        raise TraceError(f"--dump-format {fmt!r}: known formats are {list(DUMP_FORMATS)} (OpenRLHF writes no "
-                         f"rollout dump)")
-    if not d.is_dir():
-        raise TraceError(f"--dump {d} is not a directory")
-    if fmt == "verl":
-        pattern, glob = re.compile(r"^(\d+)\.jsonl$"), "*.jsonl"
-    else:
-        pattern, glob = re.compile(r"^completions_(\d+)\.parquet$"), "completions_*.parquet"
-        for sub in (d / "completions" / "train", d / "completions"):  # the trainer's output dir given
-            if sub.is_dir() and any(sub.glob(glob)):
-                d = sub
-                break
-    files = {}
-    for f in sorted(d.glob(glob)):
-        m = pattern.match(f.name)
-        if m:
-            files[int(m.group(1))] = f
-    if not files:
-        want = "{step}.jsonl files (trainer.rollout_data_dir)" if fmt == "verl" else \
-            "completions/completions_{step:05d}.parquet files (log_completions=True)"
-        raise TraceError(f"--dump {directory} holds no {fmt} rollout dump: expected {want}")
-    return files
-
-
-def _text(value, path: Path, where: str, tokenizer, prompt: bool) -> list[int] | str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)) or hasattr(value, "tolist"):  # conversational: a list of messages
-        msgs = list(value.tolist() if hasattr(value, "tolist") else value)
-        if all(isinstance(m, dict) and "content" in m for m in msgs):
-            if not prompt:
-                return "".join(str(m["content"]) for m in msgs)
-            if getattr(tokenizer, "chat_template", None):
-                return tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-            raise TraceError(f"{path}{where}: the prompt is a list of chat messages but the tokenizer has no chat "
-                             f"template; pass the run's tokenizer")
-    raise TraceError(f"{path}{where}: expected text, got {type(value).__name__}")
-
-
-def read_dump(directory: Path, fmt: str, tokenizer, add_special_tokens: bool = True) -> dict[int, "object"]:
-    """step -> DataFrame (prompt_id, sample_idx, token_ids, prompt_token_ids, prompt_text, reward,
-    retokenized) of a verl or TRL rollout dump; every problem is one TraceError naming the file."""
-    import hashlib
-
-    import pandas as pd
-    out = {}
-    for step, f in _dump_files(Path(directory), fmt).items():
-        if fmt == "verl":
-            rows = list(iter_jsonl(f))
-            need, where = VERL_FIELDS, lambda i: f":{rows[i][0]}"
-            records = [r for _, r in rows]
-        else:
-            try:
-                frame = pd.read_parquet(f)
-            except Exception as exc:
-                raise TraceError(f"{f}: not a readable parquet file ({exc})") from exc
-            need, where = TRL_FIELDS, lambda i: f" row {i}"
-            records = frame.to_dict("records")
-        if not records:
-            raise TraceError(f"{f} holds no rollouts")
-        for i, r in enumerate(records):
-            missing = [k for k in need if k not in r or r[k] is None]
-            if missing:
-                raise TraceError(f"{f}{where(i)}: missing field(s) {missing}; a {fmt} rollout dump row needs "
-                                 f"{list(need)}")
-        steps = sorted({int(r["step"]) for r in records})
-        if steps != [step]:
-            raise TraceError(f"{f}: rows of step(s) {steps[:4]} in the file of step {step}; a dump file holds one "
-                             f"step (split it, or fix the `step` field)")
-        if fmt == "verl":
-            rewards = [float(r["score"]) if r.get("score") is not None else math.nan for r in records]
-        else:
-            cols = [c for c in records[0] if c not in TRL_NOT_REWARDS]
-            col = "reward" if "reward" in cols else (cols[0] if len(cols) == 1 else None)
-            rewards = [float(r[col]) if col is not None and r[col] is not None else math.nan for r in records]
-        seen: dict[str, int] = {}
-        data = []
-        for i, r in enumerate(records):
-            prompt = _text(r["input"] if fmt == "verl" else r["prompt"], f, where(i), tokenizer, True)
-            output = _text(r["output"] if fmt == "verl" else r["completion"], f, where(i), tokenizer, False)
-            key = prompt if isinstance(prompt, str) else json.dumps(prompt)
-            pid = "h" + hashlib.sha1(key.encode()).hexdigest()[:12]
-            idx = seen.get(pid, 0)  # the n samples of a prompt, by order
-            seen[pid] = idx + 1
-            pids = prompt if not isinstance(prompt, str) else \
-                tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-            data.append({"prompt_id": pid, "sample_idx": idx, "prompt_text": key,
-                         "prompt_token_ids": [int(t) for t in pids],
-                         "token_ids": tokenizer(output, add_special_tokens=False)["input_ids"],
-                         "logprobs": None, "reward": rewards[i], "retokenized": True})
-        out[step] = pd.DataFrame(data)
-    return out
-
-
-def write_dump_log(steps: dict[int, "object"], out: Path) -> Path:
-    """A simulation log folder (``step_<N>.parquet``) for ``python -m bench.harness.simulate``."""
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise TraceError(f"--log-out {out} exists and is not empty; choose a new directory")
-    out.mkdir(parents=True, exist_ok=True)
-    for step, df in steps.items():
-        df.drop(columns=["prompt_text"]).to_parquet(out / f"step_{step:05d}.parquet", index=False)
-    (out / "README.txt").write_text(RETOKENIZED_NOTE + "\n")
-    return out
-
-
-def _dump_prompts(steps: dict[int, "object"]) -> list[dict]:
-    prompts: dict[str, dict] = {}
-    for df in steps.values():
-        for pid, ids, text in zip(df["prompt_id"], df["prompt_token_ids"], df["prompt_text"]):
-            prompts.setdefault(pid, {"prompt_id": pid, "token_ids": list(ids), "steps": None,
-                                     "meta": {"text": text}})
-    return list(prompts.values())
-
-
-def import_trace(checkpoints: Path, prompts: Path | None, out: Path, rollouts: Path | None = None,
-                 steps_per_prompt_visit: int = 1, name: str | None = None, task: str | None = None,
-                 sampling: dict | None = None, tokenizer_dir: Path | None = None,
-                 add_special_tokens: bool = True, dump: Path | None = None,
-                 dump_format: str | None = None) -> Trace:
-    """Build and validate a trace in ``out`` (written to a temp dir, renamed when valid)."""
-    from transformers import AutoTokenizer
-
-    out = Path(out)
-    if out.exists():
-        raise TraceError(f"--out {out} already exists; choose a new directory")
-    ckpts = find_checkpoints(Path(checkpoints))
-    steps = [s for s, _ in ckpts]
+def _tokenizer_dir(ckpts: list[tuple[int, Path]], checkpoints: Path, tokenizer_dir: Path | None) -> tuple[Path, str]:
+    """The tokenizer to read the prompts with, and how the manifest names it: ``--tokenizer``'s dir
+    (absolute), else the first checkpoint that holds tokenizer files (relative to the trace)."""
     if tokenizer_dir:
-        tok_dir, tok_ref = Path(tokenizer_dir), str(Path(tokenizer_dir).resolve())
-    else:
-        tok_step = next((s for s, d in ckpts
-                         if (d / "tokenizer.json").exists() or (d / "tokenizer_config.json").exists()), None)
-        if tok_step is None:
-            raise TraceError(f"no checkpoint under {checkpoints} holds tokenizer files; pass --tokenizer DIR")
-        tok_dir, tok_ref = dict(ckpts)[tok_step], checkpoint_relpath(tok_step)
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+        return Path(tokenizer_dir), str(Path(tokenizer_dir).resolve())
+    tok_step = next((s for s, d in ckpts
+                     if (d / "tokenizer.json").exists() or (d / "tokenizer_config.json").exists()), None)
+    if tok_step is None:
+        raise TraceError(f"no checkpoint under {checkpoints} holds tokenizer files; pass --tokenizer DIR")
+    return dict(ckpts)[tok_step], checkpoint_relpath(tok_step)
+
+
+def _records_and_rollouts(prompts: Path | None, rollouts: Path | None, dump: Path | None, dump_format: str | None,
+                          tokenizer, add_special_tokens: bool, ckpt_steps: list[int]) -> tuple[list[dict], dict]:
+    """The prompt records and step -> rollouts: from ``--dump`` (its prompts unless ``--prompts``
+    is given too), or from ``--prompts`` and the optional ``--rollouts``."""
     if dump is not None:
         if rollouts is not None:
             raise TraceError("pass --rollouts or --dump, not both")
         step_rollouts = read_dump(Path(dump), dump_format or "verl", tokenizer, add_special_tokens)
-        records = _dump_prompts(step_rollouts) if prompts is None else \
+        records = dump_prompts(step_rollouts) if prompts is None else \
             read_prompts(Path(prompts), tokenizer, add_special_tokens)
     elif prompts is None:
         raise TraceError("pass --prompts (or --dump with a rollout dump, whose prompts are used)")
@@ -328,12 +181,18 @@ def import_trace(checkpoints: Path, prompts: Path | None, out: Path, rollouts: P
         raise TraceError(f"{prompts}: {len(with_step)} of {len(records)} prompts carry `step`; give it to "
                          f"all prompts or to none")
     if dump is None:
-        step_rollouts = read_rollouts(Path(rollouts), tokenizer, set(steps)) if rollouts else {}
-    steps = sorted(set(steps) | set(step_rollouts))  # a rollouts file without a checkpoint: rollouts only
+        step_rollouts = read_rollouts(Path(rollouts), tokenizer, set(ckpt_steps)) if rollouts else {}
+    return records, step_rollouts
+
+
+def _prompts_per_step(records: list[dict], step_rollouts: dict, steps: list[int], steps_per_prompt_visit: int,
+                      prompts: Path | None, checkpoints: Path) -> dict[int, list[str]]:
+    """step -> its prompt ids: the prompts' own ``step``; without, the prompts of the step's
+    rollouts, else the step's turn of ``steps_per_prompt_visit`` chunks."""
     if not 1 <= steps_per_prompt_visit <= len(records):
         raise TraceError(f"--steps-per-prompt-visit must be in [1, {len(records)}] (number of prompts)")
     per_step: dict[int, list[str]] = {s: [] for s in steps}
-    if with_step:
+    if any(r["steps"] is not None for r in records):  # then all of them carry it
         for r in records:
             for s in r["steps"]:
                 if s not in per_step:
@@ -348,6 +207,11 @@ def import_trace(checkpoints: Path, prompts: Path | None, out: Path, rollouts: P
             else:
                 part = k % steps_per_prompt_visit
                 per_step[s] = [r["prompt_id"] for r in records[part * chunk:(part + 1) * chunk]]
+    return per_step
+
+
+def _trace_sampling(sampling: dict | None, step_rollouts: dict) -> dict:
+    """The given sampling with ``max_new_tokens`` and ``n`` inferred from the rollouts where unset."""
     sampling = dict(sampling or {})
     if sampling.get("max_new_tokens") is None:
         if not step_rollouts:
@@ -357,7 +221,48 @@ def import_trace(checkpoints: Path, prompts: Path | None, out: Path, rollouts: P
     if sampling.get("n") is None:
         sampling["n"] = max((int(df.groupby("prompt_id").size().max()) for df in step_rollouts.values()),
                             default=1)
-    sampling = {k: v for k, v in sampling.items() if v is not None}
+    return {k: v for k, v in sampling.items() if v is not None}
+
+
+def _write_steps(writer: TraceWriter, steps: list[int], ckpt_dirs: dict[int, Path], records: list[dict],
+                 step_rollouts: dict, per_step: dict[int, list[str]], prompts: Path | None) -> None:
+    """Every step into the trace being written: its checkpoint symlinked, its rollouts copied."""
+    known = {r["prompt_id"] for r in records}
+    for s in steps:
+        rel = None
+        if s in ckpt_dirs:
+            rel = checkpoint_relpath(s)
+            (writer.root / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(ckpt_dirs[s].resolve(), writer.root / rel, target_is_directory=True)
+        roll = None
+        if s in step_rollouts:
+            df = step_rollouts[s].drop(columns=["prompt_text"], errors="ignore")
+            unknown = sorted(set(df["prompt_id"]) - known)[:3]
+            if unknown:
+                raise TraceError(f"rollouts of step {s} name prompt ids {unknown} not in {prompts}")
+            roll = writer.write_rollouts(s, df)
+        writer.add_step(s, rel, per_step[s], roll)
+
+
+def import_trace(checkpoints: Path, prompts: Path | None, out: Path, rollouts: Path | None = None,
+                 steps_per_prompt_visit: int = 1, name: str | None = None, task: str | None = None,
+                 sampling: dict | None = None, tokenizer_dir: Path | None = None,
+                 add_special_tokens: bool = True, dump: Path | None = None,
+                 dump_format: str | None = None) -> Trace:
+    """Build and validate a trace in ``out`` (written to a temp dir, renamed when valid)."""
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    if out.exists():
+        raise TraceError(f"--out {out} already exists; choose a new directory")
+    ckpts = find_checkpoints(Path(checkpoints))
+    tok_dir, tok_ref = _tokenizer_dir(ckpts, checkpoints, tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    records, step_rollouts = _records_and_rollouts(prompts, rollouts, dump, dump_format, tokenizer,
+                                                   add_special_tokens, [s for s, _ in ckpts])
+    steps = sorted({s for s, _ in ckpts} | set(step_rollouts))  # a rollouts file without a checkpoint: rollouts only
+    per_step = _prompts_per_step(records, step_rollouts, steps, steps_per_prompt_visit, prompts, checkpoints)
+    sampling = _trace_sampling(sampling, step_rollouts)
     vocab = json.loads((ckpts[0][1] / "config.json").read_text())
     vocab = vocab.get("vocab_size") or (vocab.get("text_config") or {}).get("vocab_size")
 
@@ -371,22 +276,7 @@ def import_trace(checkpoints: Path, prompts: Path | None, out: Path, rollouts: P
                              task=task, tokenizer=tok_ref, extra=extra)
         writer.write_prompts([{"prompt_id": r["prompt_id"], "token_ids": r["token_ids"], **r["meta"]}
                               for r in records])
-        known = {r["prompt_id"] for r in records}
-        ckpt_dirs = dict(ckpts)
-        for s in steps:
-            rel = None
-            if s in ckpt_dirs:
-                rel = checkpoint_relpath(s)
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                os.symlink(ckpt_dirs[s].resolve(), tmp / rel, target_is_directory=True)
-            roll = None
-            if s in step_rollouts:
-                df = step_rollouts[s].drop(columns=["prompt_text"], errors="ignore")
-                unknown = sorted(set(df["prompt_id"]) - known)[:3]
-                if unknown:
-                    raise TraceError(f"rollouts of step {s} name prompt ids {unknown} not in {prompts}")
-                roll = writer.write_rollouts(s, df)
-            writer.add_step(s, rel, per_step[s], roll)
+        _write_steps(writer, steps, dict(ckpts), records, step_rollouts, per_step, prompts)
         Trace.load(tmp)  # validate before publishing
         publish_dir(tmp, out)
     except BaseException:

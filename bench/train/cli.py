@@ -20,7 +20,8 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from bench.harness.cli import CONF_DIR, _check_methods, hydra_entry, method_specs
+from bench.harness.cli import CONF_DIR, hydra_entry, method_specs
+from bench.harness.config_checks import check_methods
 from bench.core.errors import UserError, exit_on_user_error
 from bench.core.verify import VerifyConfig
 
@@ -30,7 +31,7 @@ RUN_KEYS = ("task", "steps", "seed", "init_seed", "dtype", "heldout_prompts", "h
 def setting_of(cfg: DictConfig):
     """The one selected method as the loop runs it, with ``lenience`` applied to a ratio rule;
     returns (MethodSpec, label, effective lenience or None)."""
-    _check_methods(cfg)
+    check_methods(cfg)
     if len(cfg.method) != 1:
         raise UserError(f"the closed loop trains with one method per run, got {list(cfg.method)}; "
                         f"sweep methods with -m method=A,B")
@@ -114,4 +115,4 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """The entry point of ``python -m bench.train``."""
-    hydra_entry(_hydra_main, "train", _check_methods)
+    hydra_entry(_hydra_main, "train", check_methods)

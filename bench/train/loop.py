@@ -24,6 +24,7 @@ import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -32,7 +33,8 @@ from methods.base import NullDrafter, RolloutKey
 
 from bench.core.engine_protocol import Request
 from bench.core.errors import UserError
-from bench.traces.record.grpo import RecordConfig, grpo_update, response_ids, step_prompts
+from bench.traces.record.grpo import RecordConfig, response_ids, step_prompts
+from bench.traces.record.policy_gradient import group_advantages, grpo_update
 from bench.harness.replay import MethodSpec, RunAheadQueue
 from bench.report.results import rollout_row, step_row
 from bench.core.verify import VerifyConfig
@@ -130,16 +132,37 @@ def run_training(run_dir: Path, method: MethodSpec, cfg: TrainConfig, identity: 
     return folder.run_dir
 
 
-def _train(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels: dict, start: int,
-           progress: bool, stop_after_steps: int | None) -> None:
+@dataclass
+class _Run:
+    """What every step of one closed-loop run works with: the folder it commits to, the method and
+    its drafter, the policy with its optimizer, the prompts and the engine."""
+
+    folder: TrainRunFolder
+    method: MethodSpec
+    cfg: TrainConfig
+    rec: RecordConfig
+    labels: dict
+    tok: Any
+    model: Any
+    opt: Any
+    drafter: Any
+    heldout: Any
+    pids: list[str]
+    by_pid: dict[str, Any]
+    prompt_tokens: dict[str, list[int]]
+    schedule: RecordConfig  # the recorder's config with the RL seed: the prompt order
+    sampling: Any
+    engine: Any
+    scratch: Path  # where the policy is saved for the engine to load
+
+
+def _start(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels: dict, start: int,
+           progress: bool) -> _Run:
+    """The warm start (or the state committed after step ``start - 1``), the prompts and the engine."""
     from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     from bench.engines.torch.engine import TorchRefEngine
-    from bench.traces.record import task as countdown
-    from bench.traces.record.model import save_checkpoint
 
-    hf_logging.disable_progress_bar()
     rec = cfg.record_config()
     warm = ensure_warm_start(rec, cfg.heldout_prompts, cfg.heldout_samples, progress)
     heldout = load_heldout(warm)
@@ -160,76 +183,98 @@ def _train(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels:
     schedule = replace(rec, seed=cfg.seed)  # the prompt order follows the RL seed
     sampling = sampling_for(rec, seed=cfg.seed)
     engine = TorchRefEngine(device="cpu", dtype=cfg.dtype)
-    scratch = folder.run_dir / ".policy"
+    return _Run(folder, method, cfg, rec, labels, tok, model, opt, drafter, heldout, pids, by_pid, prompt_tokens,
+                schedule, sampling, engine, folder.run_dir / ".policy")
+
+
+def _train(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels: dict, start: int,
+           progress: bool, stop_after_steps: int | None) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    run = _start(folder, method, cfg, labels, start, progress)
     committed = 0
     warmed = False
     bar = tqdm(range(start, cfg.num_steps), desc=labels.get("setting", method.name), disable=not progress,
                unit="step", initial=start, total=cfg.num_steps)
     try:
         for step in bar:
-            t0 = time.perf_counter()
-            save_checkpoint(model, tok, scratch)
-            engine.load(scratch)
-            sync_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            heldout_logp = heldout_logprobs(model, heldout, rec.temperature)
-            eval_s = time.perf_counter() - t0
-
-            batch_pids = step_prompts(pids, schedule, step)
-            requests = [Request(RolloutKey(pid, i), prompt_tokens[pid], step) for pid in batch_pids
-                        for i in range(rec.n)]
-            run_ahead = None
-            if method.run_ahead and step + 1 < cfg.num_steps:
-                run_ahead = RunAheadQueue([Request(RolloutKey(pid, rec.n + i), prompt_tokens[pid], step,
-                                                   run_ahead=True, anticipates=step + 1)
-                                           for pid in step_prompts(pids, schedule, step + 1) for i in range(rec.n)])
-            if not warmed:  # one throwaway call: one-time costs (allocator, kernels) hit no step's clock
-                engine.rollout(requests[:1], sampling, NullDrafter(), VerifyConfig())
-                warmed = True
-            drafter.begin_step(step)
-            if hasattr(drafter, "reset_stats"):
-                drafter.reset_stats()
-            gc.collect()
-            t0 = time.perf_counter()
-            rollouts = engine.rollout(requests, sampling, drafter, method.verify, run_ahead=run_ahead)
-            rollout_s = time.perf_counter() - t0
-            trained = [r for r in rollouts if not r.run_ahead]
-            rewards = [countdown.reward(by_pid[r.key.prompt_id],
-                                        tok.decode(response_ids(r.token_ids, tok.eos_token_id))) for r in trained]
-            advantages = []
-            for g in range(0, len(rewards), rec.n):
-                group = rewards[g:g + rec.n]
-                mean, std = statistics.mean(group), statistics.pstdev(group)
-                advantages += [(x - mean) / (std + rec.eps) for x in group]
-
-            t0 = time.perf_counter()
-            pairs = [(list(r.prompt_token_ids), list(r.token_ids)) for r in trained]
-            old = recompute_logprobs(model, pairs, rec.temperature)
-            loss = grpo_update(model, opt, [(p, t, lp, a) for (p, t), lp, a in zip(pairs, old, advantages)], rec)
-            train_s = time.perf_counter() - t0
-
-            rows = [rollout_row(r, reward=x) for r, x in zip(trained, rewards)]
-            stats = drafter.stats() if hasattr(drafter, "stats") else {}
-            lengths = [len(r.token_ids) for r in trained]
-            row = step_row(rows, rollout_s, engine.last_iterations, drafter_stats=stats, **labels,
-                           step=step, method=method.name, rule=method.verify.rule,
-                           lenience=method.verify.lenience if method.verify.rule == "ratio" else None,
-                           correct_frac=statistics.mean(x == countdown.REWARD_CORRECT for x in rewards),
-                           length_mean=statistics.mean(lengths), length_max=max(lengths), loss=loss,
-                           rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, eval_s=eval_s,
-                           step_s=sync_s + rollout_s + train_s, weights_sha1=weights_sha1(model),
-                           run_ahead_rollouts=len(rollouts) - len(trained),
-                           rollout_passes=sum(r.num_forward_passes for r in trained))
-
-            def save_state(f) -> None:
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                            "drafter": pickle.dumps(drafter, protocol=5), "step": step}, f)
-
-            folder.commit(step, row, heldout_logp, save_state)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", rollout=f"{rollout_s:.2f}s")
+            row = _train_step(run, step, warm_up=not warmed)
+            warmed = True
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", rollout=f"{row['rollout_s']:.2f}s")
             committed += 1
             if stop_after_steps is not None and committed >= stop_after_steps and step + 1 < cfg.num_steps:
                 raise StopAfter(f"stopped after {committed} step(s) (stop_after_steps)")
     finally:
-        engine.close()
-        shutil.rmtree(scratch, ignore_errors=True)
+        run.engine.close()
+        shutil.rmtree(run.scratch, ignore_errors=True)
+
+
+def _step_requests(run: _Run, step: int) -> tuple[list[Request], RunAheadQueue | None]:
+    """The step's rollouts (n per prompt) and, for a run-ahead method, the next step's."""
+    n = run.rec.n
+    requests = [Request(RolloutKey(pid, i), run.prompt_tokens[pid], step)
+                for pid in step_prompts(run.pids, run.schedule, step) for i in range(n)]
+    run_ahead = None
+    if run.method.run_ahead and step + 1 < run.cfg.num_steps:
+        run_ahead = RunAheadQueue([Request(RolloutKey(pid, n + i), run.prompt_tokens[pid], step,
+                                           run_ahead=True, anticipates=step + 1)
+                                   for pid in step_prompts(run.pids, run.schedule, step + 1) for i in range(n)])
+    return requests, run_ahead
+
+
+def _train_step(run: _Run, step: int, warm_up: bool) -> dict:
+    """One GRPO step: sync the policy into the engine, score the held-out set, roll out with the
+    method, reward, update; commits the step and returns its row."""
+    from bench.traces.record import task as countdown
+    from bench.traces.record.model import save_checkpoint
+
+    rec, drafter, method = run.rec, run.drafter, run.method
+    t0 = time.perf_counter()
+    save_checkpoint(run.model, run.tok, run.scratch)
+    run.engine.load(run.scratch)
+    sync_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    heldout_logp = heldout_logprobs(run.model, run.heldout, rec.temperature)
+    eval_s = time.perf_counter() - t0
+
+    requests, run_ahead = _step_requests(run, step)
+    if warm_up:  # one throwaway call: one-time costs (allocator, kernels) hit no step's clock
+        run.engine.rollout(requests[:1], run.sampling, NullDrafter(), VerifyConfig())
+    drafter.begin_step(step)
+    if hasattr(drafter, "reset_stats"):
+        drafter.reset_stats()
+    gc.collect()
+    t0 = time.perf_counter()
+    rollouts = run.engine.rollout(requests, run.sampling, drafter, method.verify, run_ahead=run_ahead)
+    rollout_s = time.perf_counter() - t0
+    trained = [r for r in rollouts if not r.run_ahead]
+    rewards = [countdown.reward(run.by_pid[r.key.prompt_id],
+                                run.tok.decode(response_ids(r.token_ids, run.tok.eos_token_id))) for r in trained]
+    advantages = group_advantages(rewards, rec.n, rec.eps)
+
+    t0 = time.perf_counter()
+    pairs = [(list(r.prompt_token_ids), list(r.token_ids)) for r in trained]
+    old = recompute_logprobs(run.model, pairs, rec.temperature)
+    loss = grpo_update(run.model, run.opt, [(p, t, lp, a) for (p, t), lp, a in zip(pairs, old, advantages)], rec)
+    train_s = time.perf_counter() - t0
+
+    rows = [rollout_row(r, reward=x) for r, x in zip(trained, rewards)]
+    stats = drafter.stats() if hasattr(drafter, "stats") else {}
+    lengths = [len(r.token_ids) for r in trained]
+    row = step_row(rows, rollout_s, run.engine.last_iterations, drafter_stats=stats, **run.labels,
+                   step=step, method=method.name, rule=method.verify.rule,
+                   lenience=method.verify.lenience if method.verify.rule == "ratio" else None,
+                   correct_frac=statistics.mean(x == countdown.REWARD_CORRECT for x in rewards),
+                   length_mean=statistics.mean(lengths), length_max=max(lengths), loss=loss,
+                   rollout_s=rollout_s, train_s=train_s, sync_s=sync_s, eval_s=eval_s,
+                   step_s=sync_s + rollout_s + train_s, weights_sha1=weights_sha1(run.model),
+                   run_ahead_rollouts=len(rollouts) - len(trained),
+                   rollout_passes=sum(r.num_forward_passes for r in trained))
+
+    def save_state(f) -> None:
+        torch.save({"model": run.model.state_dict(), "optimizer": run.opt.state_dict(),
+                    "drafter": pickle.dumps(drafter, protocol=5), "step": step}, f)
+
+    run.folder.commit(step, row, heldout_logp, save_state)
+    return row

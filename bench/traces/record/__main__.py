@@ -14,7 +14,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from bench.traces.format import MANIFEST
-from bench.traces.record.grpo import RecordConfig, SearchRecordConfig, format_row, record
+from bench.traces.record.grpo import RecordConfig, SearchRecordConfig, record
+from bench.traces.record.step_stats import format_row
 
 PRESETS = {"countdown": RecordConfig, "search": SearchRecordConfig}
 

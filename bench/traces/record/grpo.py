@@ -5,7 +5,8 @@
 Rollouts are sampled by the torch reference engine with the baseline drafter and coupled sampling
 under the recorder's seed, so a baseline replay of the trace reproduces them token for token.
 Each step: save the live policy as the step's checkpoint, sample n rollouts per prompt, score them,
-then train on them (GRPO advantages, clipped policy gradient, engine logprobs as old logprobs).
+then train on them (GRPO advantages, clipped policy gradient, engine logprobs as old logprobs:
+``bench.traces.record.policy_gradient``); each step's stats row is ``bench.traces.record.step_stats``'s.
 """
 from __future__ import annotations
 
@@ -16,17 +17,21 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
 from tqdm import tqdm
 
-from bench.traces.format import TraceSampling, TraceWriter, checkpoint_relpath
+from bench.traces.format import TraceSampling, checkpoint_relpath
 from bench.traces.record import search_task
 from bench.traces.record import task as countdown
 from bench.traces.record.model import ModelConfig, build_model, save_checkpoint
+from bench.traces.record.policy_gradient import group_advantages, grpo_update
 from bench.traces.record.sft import SFTConfig, sft
+from bench.traces.record.step_stats import RolloutHistory, format_row, length_summary, step_row
 from bench.traces.record.tokenizer import build_tokenizer
+from bench.traces.writer import TraceWriter
 
 RECORDER_VERSION = 1
 
@@ -190,109 +195,6 @@ def response_ids(token_ids: list[int], eos_id: int) -> list[int]:
     return token_ids[:token_ids.index(eos_id)] if eos_id in token_ids else list(token_ids)
 
 
-def grpo_update(model, opt, batch: list[tuple[list[int], list[int], list[float], float]],
-                cfg: RecordConfig) -> float:
-    """Clipped policy-gradient steps on (prompt, response, old logprobs, advantage) rows."""
-    rows = [b for b in batch if b[3] != 0.0 and b[1]]
-    if not rows:
-        return 0.0
-    budget = getattr(cfg, "micro_batch_tokens", 0)
-    if budget:
-        return _micro_batched_update(model, opt, rows, cfg, budget)
-    width = max(len(p) + len(r) for p, r, _, _ in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    resp = torch.zeros((len(rows), width), dtype=torch.bool)  # True where a response token is predicted
-    old = torch.zeros((len(rows), width))
-    adv = torch.tensor([a for _, _, _, a in rows])
-    for i, (p, r, lp, _) in enumerate(rows):
-        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, :len(p) + len(r)] = 1
-        resp[i, len(p) - 1:len(p) + len(r) - 1] = True  # logits at t predict token t + 1
-        old[i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(lp)
-    model.train()
-    loss_value = 0.0
-    for _ in range(cfg.grad_steps):
-        logits = model(input_ids=ids, attention_mask=attn).logits.float()  # [B, T, V]
-        logp = torch.log_softmax(logits / max(cfg.temperature, 1e-6), -1)
-        target = torch.roll(ids, -1, dims=1)
-        new = logp.gather(-1, target[..., None])[..., 0]  # [B, T]
-        ratio = torch.exp(torch.where(resp, new - old, torch.zeros_like(new)))
-        a = adv[:, None]
-        obj = torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a)
-        per_seq = (obj * resp).sum(1) / resp.sum(1).clamp(min=1)
-        loss = -per_seq.mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss_value = loss.item()
-    model.eval()
-    return loss_value
-
-
-def _tensors(rows):
-    width = max(len(p) + len(r) for p, r, _, _ in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    resp = torch.zeros((len(rows), width), dtype=torch.bool)
-    old = torch.zeros((len(rows), width))
-    for i, (p, r, lp, _) in enumerate(rows):
-        ids[i, :len(p) + len(r)] = torch.tensor(p + r)
-        attn[i, :len(p) + len(r)] = 1
-        resp[i, len(p) - 1:len(p) + len(r) - 1] = True
-        old[i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(lp)
-    return ids, attn, resp, old, torch.tensor([a for _, _, _, a in rows])
-
-
-def _micro_batched_update(model, opt, rows, cfg, budget: int) -> float:
-    """``grpo_update`` over length-sorted micro-batches of at most ``budget`` padded tokens
-    (gradients accumulated, one optimizer step per gradient step): long rollouts, little padding."""
-    rows = sorted(rows, key=lambda b: len(b[0]) + len(b[1]))
-    chunks, cur = [], []
-    for b in rows:
-        width = len(b[0]) + len(b[1])  # the longest so far (sorted)
-        if cur and width * (len(cur) + 1) > budget:
-            chunks.append(cur)
-            cur = []
-        cur.append(b)
-    chunks.append(cur)
-    tensors = [_tensors(c) for c in chunks]
-    model.train()
-    loss_value = 0.0
-    for _ in range(cfg.grad_steps):
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for (ids, attn, resp, old, adv), c in zip(tensors, chunks):
-            logits = model(input_ids=ids, attention_mask=attn).logits.float()
-            logp = torch.log_softmax(logits / max(cfg.temperature, 1e-6), -1)
-            new = logp.gather(-1, torch.roll(ids, -1, dims=1)[..., None])[..., 0]
-            ratio = torch.exp(torch.where(resp, new - old, torch.zeros_like(new)))
-            a = adv[:, None]
-            obj = torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a)
-            per_seq = (obj * resp).sum(1) / resp.sum(1).clamp(min=1)
-            loss = -per_seq.sum() / len(rows)
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss_value = total
-    model.eval()
-    return loss_value
-
-
-def _quantile(xs: list[int], q: float) -> float:
-    return float(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))])
-
-
-def ngrams(ids, n: int = 8) -> list[tuple[int, ...]]:
-    return [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
-
-
-def _p90(xs: list[int]) -> float:
-    return float(sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))])
-
-
 def record(out: Path, cfg: RecordConfig | None = None, progress: bool = True, threads: int = 1) -> Path:
     """Record a trace into ``out`` (created; must not hold a trace yet). Returns ``out``.
 
@@ -308,22 +210,28 @@ def record(out: Path, cfg: RecordConfig | None = None, progress: bool = True, th
         torch.set_num_threads(previous)
 
 
-def _record(out: Path, cfg: RecordConfig, progress: bool) -> Path:
-    from bench.core.engine_protocol import Request
-    from bench.engines.torch.engine import TorchRefEngine
-    from bench.core.verify import VerifyConfig
-    from methods.base import RolloutKey
-    from methods.baseline import Baseline
-    from transformers.utils import logging as hf_logging
+@dataclass
+class _Recording:
+    """What every step of one recording works with: the trace being written, its prompts, and the
+    policy with its optimizer and the engine that samples from it."""
 
-    hf_logging.disable_progress_bar()
-    t_start = time.perf_counter()
+    out: Path
+    cfg: RecordConfig
+    tok: Any
+    writer: TraceWriter
+    pids: list[str]
+    prompt_tokens: dict[str, list[int]]
+    by_pid: dict[str, Any]
+    model: Any
+    opt: Any
+    engine: Any
+    sampling: Any  # the SamplingConfig the engine samples with
+    scratch: Path  # the live policy of a step that keeps no checkpoint
+
+
+def _write_prompts(writer: TraceWriter, cfg: RecordConfig, tok) -> tuple[list[str], dict[str, list[int]], dict]:
+    """The task's problems as the trace's prompts: (prompt ids, their tokens, problem by id)."""
     task = cfg.task_module
-    tok = cfg.build_tokenizer()
-    sampling = TraceSampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.n, cfg.seed)
-    writer = TraceWriter(out, cfg.name, sampling, vocab_size=len(tok), task=task.NAME,
-                         extra={"recorder": {"version": RECORDER_VERSION, **asdict(cfg)}})
-    tok.save_pretrained(str(out / writer.tokenizer))
     if task is countdown:
         problems = countdown.make_problems(cfg.num_prompts, seed=cfg.seed + 17)
     else:
@@ -334,80 +242,41 @@ def _record(out: Path, cfg: RecordConfig, progress: bool) -> Path:
     by_pid = dict(zip(pids, problems))
     writer.write_prompts([{"prompt_id": pid, "token_ids": prompt_tokens[pid], "text": p.prompt,
                            **p.metadata()} for pid, p in by_pid.items()])
+    return pids, prompt_tokens, by_pid
+
+
+def _record(out: Path, cfg: RecordConfig, progress: bool) -> Path:
+    from bench.engines.torch.engine import TorchRefEngine
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    t_start = time.perf_counter()
+    tok = cfg.build_tokenizer()
+    sampling = TraceSampling(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, cfg.n, cfg.seed)
+    writer = TraceWriter(out, cfg.name, sampling, vocab_size=len(tok), task=cfg.task_module.NAME,
+                         extra={"recorder": {"version": RECORDER_VERSION, **asdict(cfg)}})
+    tok.save_pretrained(str(out / writer.tokenizer))
+    pids, prompt_tokens, by_pid = _write_prompts(writer, cfg, tok)
 
     model = build_model(tok, cfg.model_config(), seed=cfg.seed)
     sft_losses = sft(model, tok, cfg.sft_config(), progress=progress, make_batch=cfg.sft_batches(tok))
     t_sft = time.perf_counter() - t_start
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     engine = TorchRefEngine(device="cpu", dtype="float32")
-    sampling_cfg = sampling.to_config()
-    last_visit: dict[str, list[list[int]]] = {}
-    seen_ngrams: dict[str, set] = {}  # prompt -> 8-grams of its rollouts at earlier steps
-    scratch = out / ".policy"  # the live policy of a step that keeps no checkpoint
+    rec = _Recording(out, cfg, tok, writer, pids, prompt_tokens, by_pid, model, opt, engine,
+                     sampling.to_config(), out / ".policy")
+    history = RolloutHistory()
     stats: list[dict] = []
     bar = tqdm(range(cfg.steps), desc="grpo", disable=not progress)
     for step in bar:
-        t0 = time.perf_counter()
-        rel = checkpoint_relpath(step) if cfg.has_checkpoint(step) else None
-        save_checkpoint(model, tok, out / rel if rel else scratch)
-        engine.load(out / rel if rel else scratch)
-        batch_pids = step_prompts(pids, cfg, step)
-        requests = [Request(RolloutKey(pid, i), prompt_tokens[pid], step=step)
-                    for pid in batch_pids for i in range(cfg.n)]
-        rollouts = engine.rollout(requests, sampling_cfg, Baseline(), VerifyConfig())
-        t1 = time.perf_counter()
-        rewards = [task.reward(by_pid[r.key.prompt_id],
-                               tok.decode(response_ids(r.token_ids, tok.eos_token_id)))
-                   for r in rollouts]
-        df = pd.DataFrame({"prompt_id": [r.key.prompt_id for r in rollouts],
-                           "sample_idx": [r.key.sample_idx for r in rollouts],
-                           "token_ids": [list(r.token_ids) for r in rollouts],
-                           "logprobs": [list(r.logprobs) for r in rollouts],
-                           "reward": rewards,
-                           "finish_reason": [r.finish_reason for r in rollouts]})
-        writer.add_step(step, rel, batch_pids, writer.write_rollouts(step, df))
-
-        repeats = [r.token_ids == last_visit[r.key.prompt_id][r.key.sample_idx]
-                   for r in rollouts if r.key.prompt_id in last_visit]
-        for pid in batch_pids:
-            last_visit[pid] = [r.token_ids for r in rollouts if r.key.prompt_id == pid]
-        shares = []  # per rollout: share of its 8-grams already in its prompt's earlier rollouts
-        for r in rollouts:
-            grams = ngrams(r.token_ids)
-            if grams and r.key.prompt_id in seen_ngrams:
-                seen = seen_ngrams[r.key.prompt_id]
-                shares.append(sum(g in seen for g in grams) / len(grams))
-        for r in rollouts:
-            seen_ngrams.setdefault(r.key.prompt_id, set()).update(ngrams(r.token_ids))
-        lengths = [len(r.token_ids) for r in rollouts]
-        groups = [rewards[g:g + cfg.n] for g in range(0, len(rewards), cfg.n)]
-        advantages = []
-        for g in groups:
-            mean, std = statistics.mean(g), statistics.pstdev(g)
-            advantages += [(x - mean) / (std + cfg.eps) for x in g]
-        loss = 0.0
-        if step < cfg.steps - 1:  # the last step's rollouts train nothing that is recorded
-            loss = grpo_update(model, opt, [(r.prompt_token_ids, list(r.token_ids), list(r.logprobs), a)
-                                            for r, a in zip(rollouts, advantages)], cfg)
-        row = {"step": step, "reward_mean": statistics.mean(rewards),
-               "correct_frac": statistics.mean(x == countdown.REWARD_CORRECT for x in rewards),
-               "length_mean": statistics.mean(lengths), "length_p50": _quantile(lengths, 0.5),
-               "length_p90": _p90(lengths), "length_p99": _quantile(lengths, 0.99),
-               "length_max": max(lengths), "checkpoint": rel is not None,
-               "ngram8_seen_frac": statistics.mean(shares) if shares else None,
-               "truncated_frac": statistics.mean(r.finish_reason == "length" for r in rollouts),
-               "distinct_frac": statistics.mean(len({tuple(rollouts[g + i].token_ids) for i in range(cfg.n)})
-                                                / cfg.n for g in range(0, len(rollouts), cfg.n)),
-               "repeat_frac": statistics.mean(repeats) if repeats else None,
-               "loss": loss, "rollout_s": t1 - t0, "step_s": time.perf_counter() - t0,
-               "_lengths": lengths}
+        row = _record_step(rec, step, history)
         stats.append(row)
         row = {k: v for k, v in row.items() if k != "_lengths"}
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", len=f"{row['length_mean']:.1f}")
         if progress:
             tqdm.write(format_row(row))
-    if scratch.exists():
-        shutil.rmtree(scratch)
+    if rec.scratch.exists():
+        shutil.rmtree(rec.scratch)
     summary = {"config": asdict(cfg), "sft_s": t_sft, "sft_final_loss": statistics.mean(sft_losses[-10:]),
                "wall_s": time.perf_counter() - t_start, "steps": stats,
                "lengths": length_summary([n for row in stats for n in row.pop("_lengths")])}
@@ -416,18 +285,40 @@ def _record(out: Path, cfg: RecordConfig, progress: bool) -> Path:
     return out
 
 
-def length_summary(lengths: list[int]) -> dict:
-    """Response lengths of the whole trace: mean, p50, p90, p99, max, and p99 / p50."""
-    q = {f"p{int(f * 100)}": _quantile(lengths, f) for f in (0.5, 0.9, 0.99)}
-    return {"mean": statistics.mean(lengths), **q, "max": max(lengths), "p99_over_p50": q["p99"] / q["p50"]}
+def _record_step(rec: _Recording, step: int, history: RolloutHistory) -> dict:
+    """One GRPO step: save the policy (the step's checkpoint, or scratch), sample and score its
+    rollouts, write them to the trace, then train on them; returns the step's stats row."""
+    from bench.core.engine_protocol import Request
+    from bench.core.verify import VerifyConfig
+    from methods.base import RolloutKey
+    from methods.baseline import Baseline
 
+    cfg, tok = rec.cfg, rec.tok
+    t0 = time.perf_counter()
+    rel = checkpoint_relpath(step) if cfg.has_checkpoint(step) else None
+    save_checkpoint(rec.model, tok, rec.out / rel if rel else rec.scratch)
+    rec.engine.load(rec.out / rel if rel else rec.scratch)
+    batch_pids = step_prompts(rec.pids, cfg, step)
+    requests = [Request(RolloutKey(pid, i), rec.prompt_tokens[pid], step=step)
+                for pid in batch_pids for i in range(cfg.n)]
+    rollouts = rec.engine.rollout(requests, rec.sampling, Baseline(), VerifyConfig())
+    t1 = time.perf_counter()
+    rewards = [cfg.task_module.reward(rec.by_pid[r.key.prompt_id],
+                                      tok.decode(response_ids(r.token_ids, tok.eos_token_id)))
+               for r in rollouts]
+    df = pd.DataFrame({"prompt_id": [r.key.prompt_id for r in rollouts],
+                       "sample_idx": [r.key.sample_idx for r in rollouts],
+                       "token_ids": [list(r.token_ids) for r in rollouts],
+                       "logprobs": [list(r.logprobs) for r in rollouts],
+                       "reward": rewards,
+                       "finish_reason": [r.finish_reason for r in rollouts]})
+    rec.writer.add_step(step, rel, batch_pids, rec.writer.write_rollouts(step, df))
 
-def format_row(row: dict) -> str:
-    rep = "  -  " if row["repeat_frac"] is None else f"{row['repeat_frac']:.3f}"
-    seen = row.get("ngram8_seen_frac")
-    tail = "" if "length_p50" not in row else (
-        f" p50 {row['length_p50']:.0f} p99 {row['length_p99']:.0f} max {row['length_max']}  8-gram seen "
-        + ("  -  " if seen is None else f"{seen:.3f}"))
-    return (f"step {row['step']:3d}  reward {row['reward_mean']:.3f}  correct {row['correct_frac']:.3f}  "
-            f"len {row['length_mean']:5.2f} (p90 {row['length_p90']:.0f}){tail}  distinct {row['distinct_frac']:.2f}  "
-            f"repeat {rep}  {row['step_s']:.1f}s")
+    repeats, shares = history.observe(rollouts, batch_pids)
+    advantages = group_advantages(rewards, cfg.n, cfg.eps)
+    loss = 0.0
+    if step < cfg.steps - 1:  # the last step's rollouts train nothing that is recorded
+        loss = grpo_update(rec.model, rec.opt, [(r.prompt_token_ids, list(r.token_ids), list(r.logprobs), a)
+                                                for r, a in zip(rollouts, advantages)], cfg)
+    return step_row(step, rollouts, rewards, cfg.n, repeats, shares, checkpoint=rel is not None, loss=loss,
+                    rollout_s=t1 - t0, step_s=time.perf_counter() - t0)

@@ -1,0 +1,172 @@
+"""Rollout dumps of real RL runs (verl, TRL) read as per-step rollouts, re-tokenized from their text.
+
+``bench.traces.importer`` builds a trace from checkpoints; this module reads the rollout dumps
+its ``--dump DIR --dump-format verl|trl`` flags name (the formats are described in the importer's
+docstring), and writes a dump without checkpoints as a simulation log. Kept apart because it
+reads other trainers' files, not this suite's layout.
+
+    python -m bench.traces.importer --dump DIR --dump-format verl --tokenizer TOK --log-out LOG_DIR
+    python -m pytest -q tests/test_trace_import.py     # on fixtures in exactly those formats
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+from bench.traces.format import TraceError, iter_jsonl
+
+DUMP_FORMATS = ("verl", "trl")
+VERL_FIELDS = ("input", "output", "step")
+TRL_FIELDS = ("step", "prompt", "completion")
+TRL_NOT_REWARDS = {"step", "prompt", "completion", "advantage", "mode", "image", "images"}
+RETOKENIZED_NOTE = ("token ids re-tokenized from decoded text (special tokens were stripped), so they may "
+                    "differ from the ids the run generated")
+
+
+def load_tokenizer(path: Path | str | None, what: str = "--tokenizer"):
+    """A Hugging Face tokenizer from a local dir; a missing or unreadable one is a TraceError."""
+    if path is None:
+        raise TraceError(f"re-tokenizing a rollout dump needs the run's tokenizer: pass {what} DIR "
+                         f"(a saved Hugging Face tokenizer)")
+    p = Path(path)
+    if not p.is_dir() or not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        raise TraceError(f"{what} {p}: unknown tokenizer (no tokenizer.json or tokenizer_config.json there); "
+                         f"pass the run's saved tokenizer dir")
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(p))
+    except Exception as exc:  # a corrupt file: say which dir
+        raise TraceError(f"{what} {p}: the tokenizer cannot be loaded ({exc}); pass the run's saved tokenizer dir") from exc
+
+
+def _dump_files(directory: Path, fmt: str) -> dict[int, Path]:
+    d = Path(directory)
+    if fmt not in DUMP_FORMATS:
+        raise TraceError(f"--dump-format {fmt!r}: known formats are {list(DUMP_FORMATS)} (OpenRLHF writes no "
+                         f"rollout dump)")
+    if not d.is_dir():
+        raise TraceError(f"--dump {d} is not a directory")
+    if fmt == "verl":
+        pattern, glob = re.compile(r"^(\d+)\.jsonl$"), "*.jsonl"
+    else:
+        pattern, glob = re.compile(r"^completions_(\d+)\.parquet$"), "completions_*.parquet"
+        for sub in (d / "completions" / "train", d / "completions"):  # the trainer's output dir given
+            if sub.is_dir() and any(sub.glob(glob)):
+                d = sub
+                break
+    files = {}
+    for f in sorted(d.glob(glob)):
+        m = pattern.match(f.name)
+        if m:
+            files[int(m.group(1))] = f
+    if not files:
+        want = "{step}.jsonl files (trainer.rollout_data_dir)" if fmt == "verl" else \
+            "completions/completions_{step:05d}.parquet files (log_completions=True)"
+        raise TraceError(f"--dump {directory} holds no {fmt} rollout dump: expected {want}")
+    return files
+
+
+def _text(value, path: Path, where: str, tokenizer, prompt: bool) -> list[int] | str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) or hasattr(value, "tolist"):  # conversational: a list of messages
+        msgs = list(value.tolist() if hasattr(value, "tolist") else value)
+        if all(isinstance(m, dict) and "content" in m for m in msgs):
+            if not prompt:
+                return "".join(str(m["content"]) for m in msgs)
+            if getattr(tokenizer, "chat_template", None):
+                return tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+            raise TraceError(f"{path}{where}: the prompt is a list of chat messages but the tokenizer has no chat "
+                             f"template; pass the run's tokenizer")
+    raise TraceError(f"{path}{where}: expected text, got {type(value).__name__}")
+
+
+def _dump_records(f: Path, fmt: str, step: int):
+    """The rows of one dump file, checked (present, every needed field, all of ``step``), and
+    ``where(i)``: how a message names row i (its line of a jsonl file, its row of a parquet one)."""
+    if fmt == "verl":
+        rows = list(iter_jsonl(f))
+        need, where = VERL_FIELDS, lambda i: f":{rows[i][0]}"
+        records = [r for _, r in rows]
+    else:
+        import pandas as pd
+        try:
+            frame = pd.read_parquet(f)
+        except Exception as exc:
+            raise TraceError(f"{f}: not a readable parquet file ({exc})") from exc
+        need, where = TRL_FIELDS, lambda i: f" row {i}"
+        records = frame.to_dict("records")
+    if not records:
+        raise TraceError(f"{f} holds no rollouts")
+    for i, r in enumerate(records):
+        missing = [k for k in need if k not in r or r[k] is None]
+        if missing:
+            raise TraceError(f"{f}{where(i)}: missing field(s) {missing}; a {fmt} rollout dump row needs "
+                             f"{list(need)}")
+    steps = sorted({int(r["step"]) for r in records})
+    if steps != [step]:
+        raise TraceError(f"{f}: rows of step(s) {steps[:4]} in the file of step {step}; a dump file holds one "
+                         f"step (split it, or fix the `step` field)")
+    return records, where
+
+
+def _dump_rewards(records: list[dict], fmt: str) -> list[float]:
+    """verl's ``score``; TRL's ``reward`` column, else its only reward column (NaN without one)."""
+    if fmt == "verl":
+        return [float(r["score"]) if r.get("score") is not None else math.nan for r in records]
+    cols = [c for c in records[0] if c not in TRL_NOT_REWARDS]
+    col = "reward" if "reward" in cols else (cols[0] if len(cols) == 1 else None)
+    return [float(r[col]) if col is not None and r[col] is not None else math.nan for r in records]
+
+
+def read_dump(directory: Path, fmt: str, tokenizer, add_special_tokens: bool = True) -> dict[int, "object"]:
+    """step -> DataFrame (prompt_id, sample_idx, token_ids, prompt_token_ids, prompt_text, reward,
+    retokenized) of a verl or TRL rollout dump; every problem is one TraceError naming the file."""
+    import hashlib
+
+    import pandas as pd
+    out = {}
+    for step, f in _dump_files(Path(directory), fmt).items():
+        records, where = _dump_records(f, fmt, step)
+        rewards = _dump_rewards(records, fmt)
+        seen: dict[str, int] = {}
+        data = []
+        for i, r in enumerate(records):
+            prompt = _text(r["input"] if fmt == "verl" else r["prompt"], f, where(i), tokenizer, True)
+            output = _text(r["output"] if fmt == "verl" else r["completion"], f, where(i), tokenizer, False)
+            key = prompt if isinstance(prompt, str) else json.dumps(prompt)
+            pid = "h" + hashlib.sha1(key.encode()).hexdigest()[:12]
+            idx = seen.get(pid, 0)  # the n samples of a prompt, by order
+            seen[pid] = idx + 1
+            pids = prompt if not isinstance(prompt, str) else \
+                tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+            data.append({"prompt_id": pid, "sample_idx": idx, "prompt_text": key,
+                         "prompt_token_ids": [int(t) for t in pids],
+                         "token_ids": tokenizer(output, add_special_tokens=False)["input_ids"],
+                         "logprobs": None, "reward": rewards[i], "retokenized": True})
+        out[step] = pd.DataFrame(data)
+    return out
+
+
+def write_dump_log(steps: dict[int, "object"], out: Path) -> Path:
+    """A simulation log folder (``step_<N>.parquet``) for ``python -m bench.harness.simulate``."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise TraceError(f"--log-out {out} exists and is not empty; choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    for step, df in steps.items():
+        df.drop(columns=["prompt_text"]).to_parquet(out / f"step_{step:05d}.parquet", index=False)
+    (out / "README.txt").write_text(RETOKENIZED_NOTE + "\n")
+    return out
+
+
+def dump_prompts(steps: dict[int, "object"]) -> list[dict]:
+    """The prompt records (as ``bench.traces.importer.read_prompts`` gives them) of a read dump."""
+    prompts: dict[str, dict] = {}
+    for df in steps.values():
+        for pid, ids, text in zip(df["prompt_id"], df["prompt_token_ids"], df["prompt_text"]):
+            prompts.setdefault(pid, {"prompt_id": pid, "token_ids": list(ids), "steps": None,
+                                     "meta": {"text": text}})
+    return list(prompts.values())
