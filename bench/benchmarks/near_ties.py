@@ -72,8 +72,6 @@ def near_tie_shift(dtypes=("float64", "float32", "bfloat16", "float16"), vocab: 
     thresholds are about 10x the largest shift measured here, rounded up to a power of ten.
     """
     import bench.engines.torch.block as tr  # where the engine calls the verifier
-    from bench.core import precision
-    from bench.core.sampling import processed_probs
     sampling = SamplingConfig(max_new_tokens=new_tokens, top_p=top_p)
     reqs = [Request(RolloutKey(f"p{i}", 0), [1 + (i * 7 + j) % (vocab - 1) for j in range(16)]) for i in range(batch)]
     rows = []
@@ -86,66 +84,84 @@ def near_tie_shift(dtypes=("float64", "float32", "bfloat16", "float16"), vocab: 
             config = json.loads((Path(ckpt) / "config.json").read_text())
             vocab, hidden, layers, scale = config["vocab_size"], config["hidden_size"], config["num_hidden_layers"], 1.0
             reqs = [Request(r.key, [t % vocab for t in r.prompt_token_ids]) for r in reqs]
+        shape_of = {"vocab": vocab, "hidden": hidden, "layers": layers, "scale": scale, "top_p": top_p}
         for name in list(dtypes) + (["bfloat16-logits"] if "bfloat16" in dtypes else []):
             eng = TorchRefEngine(device=device, dtype=name.removesuffix("-logits"))
             if name.endswith("-logits"):
                 eng._fp32_head = lambda: None
             eng.load(ckpt)
-            seen: dict = {}
-            shifts: list[float] = []
-            real_verify = tr.verify_nodes
-            slot = {rollout_seed(sampling.seed, r.step, r.key.prompt_id, r.key.sample_idx): r.key for r in reqs}
-            live: list = [None]  # the oracle being measured: its nodes are comparable while it agrees
-
-            def recording(logits_at, vocab, drafts, keys, out_lens, samp, verify, record, device="cpu"):
-                K = 1 + max(len(d) for d in drafts)  # every row's nodes, padding read as its last node
-                rows_i = torch.arange(len(drafts)).repeat_interleave(K)
-                nodes_i = torch.minimum(torch.arange(K).repeat(len(drafts)), torch.tensor([len(d) for d in drafts])[rows_i])
-                logits = logits_at(rows_i, nodes_i).reshape(len(drafts), K, -1).cpu()
-                cdf = torch.cumsum(processed_probs(logits.float() if logits.dtype != torch.float64 else logits, samp), -1)
-                cdf = cdf / cdf[..., -1:]
-                for b, (d, key, o) in enumerate(zip(drafts, keys.tolist(), out_lens)):
-                    if not record and live[0]._agrees.get(slot[key]) != o:
-                        continue  # this rollout left the baseline's path: other contexts
-                    parents = d.parent_list()
-                    chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
-                    for j in range(chain + 1):  # local node j sits at output position o + j
-                        if record:
-                            seen[(key, o + j)] = cdf[b, j].clone()
-                        elif (key, o + j) in seen:
-                            shifts.append(float((cdf[b, j] - seen[(key, o + j)]).abs().max()))
-                return real_verify(logits_at, vocab, drafts, keys, out_lens, samp, verify, device=device)
-
+            recorder = _CdfRecorder(tr.verify_nodes, sampling, reqs)
             try:
-                tr.verify_nodes = lambda *a, **k: recording(*a, record=True, **k)
+                tr.verify_nodes = recorder.baseline_pass
                 base = eng.rollout(reqs, sampling, Baseline(), VerifyConfig())
                 futures = {r.key: r.token_ids for r in base}
                 for shape, drafter in (("chain", OracleDrafter(futures, budget)),
                                        ("tree", _OracleTree(futures, budget))):
-                    shifts.clear()
-                    live[0] = drafter
-                    tr.verify_nodes = lambda *a, **k: recording(*a, record=False, **k)
+                    recorder.measure(drafter)
+                    tr.verify_nodes = recorder.drafted_pass
                     out = eng.rollout(reqs, sampling, drafter, VerifyConfig())
-                    thr = precision.near_tie_threshold(name.removesuffix("-logits"))
-                    kinds, tie_margins = [], [0.0]
-                    for r, b in zip(out, base):
-                        kind, t = precision.classify(r.token_ids, r.margins, b.token_ids, b.margins, thr)
-                        kinds.append(kind)
-                        if kind != "identical":
-                            tie_margins.append(max(abs(r.margins[t]), abs(b.margins[t])))
-                    sh = torch.tensor(shifts, dtype=torch.float64)
-                    rows.append({"vocab": vocab, "hidden": hidden, "layers": layers, "scale": scale, "top_p": top_p,
-                                 "dtype": name, "shape": shape, "positions": len(shifts),
-                                 "shift_median": float(sh.median()), "shift_p99": float(sh.quantile(0.99)),
-                                 "shift_max": float(sh.max()), "threshold": thr,
-                                 "identity_rate": kinds.count("identical") / len(kinds),
-                                 "near_ties": kinds.count("near_tie"),
-                                 "rule_divergences": kinds.count("rule_divergence"),
-                                 "divergence_margin_max": max(tie_margins)})
+                    rows.append({**shape_of, "dtype": name, "shape": shape,
+                                 **_shift_summary(recorder.shifts, out, base, name.removesuffix("-logits"))})
             finally:
-                tr.verify_nodes = real_verify
+                tr.verify_nodes = recorder.real_verify
     return rows
 
+
+class _CdfRecorder:
+    """Wraps the engine's verifier: on the baseline's passes it keeps the processed CDF of every
+    (slot, output position) it verifies; on a drafted run's passes it records, for every chain
+    node still on the baseline's path, the largest CDF difference from the baseline's at the
+    same position (``shifts``)."""
+
+    def __init__(self, real_verify, sampling: SamplingConfig, reqs: list[Request]):
+        self.real_verify, self.seen, self.shifts, self.drafter = real_verify, {}, [], None
+        self.slot = {rollout_seed(sampling.seed, r.step, r.key.prompt_id, r.key.sample_idx): r.key for r in reqs}
+
+    def measure(self, drafter) -> None:
+        self.shifts, self.drafter = [], drafter  # the oracle measured: its nodes compare while it agrees
+
+    def baseline_pass(self, *args, **kwargs):
+        return self._pass(*args, record=True, **kwargs)
+
+    def drafted_pass(self, *args, **kwargs):
+        return self._pass(*args, record=False, **kwargs)
+
+    def _pass(self, logits_at, vocab, drafts, keys, out_lens, samp, verify, record, device="cpu"):
+        from bench.core.sampling import processed_probs
+        K = 1 + max(len(d) for d in drafts)  # every row's nodes, padding read as its last node
+        rows_i = torch.arange(len(drafts)).repeat_interleave(K)
+        nodes_i = torch.minimum(torch.arange(K).repeat(len(drafts)), torch.tensor([len(d) for d in drafts])[rows_i])
+        logits = logits_at(rows_i, nodes_i).reshape(len(drafts), K, -1).cpu()
+        cdf = torch.cumsum(processed_probs(logits.float() if logits.dtype != torch.float64 else logits, samp), -1)
+        cdf = cdf / cdf[..., -1:]
+        for b, (d, key, o) in enumerate(zip(drafts, keys.tolist(), out_lens)):
+            if not record and self.drafter._agrees.get(self.slot[key]) != o:
+                continue  # this rollout left the baseline's path: other contexts
+            parents = d.parent_list()
+            chain = next((i for i, p in enumerate(parents) if p != i - 1), len(parents))
+            for j in range(chain + 1):  # local node j sits at output position o + j
+                if record:
+                    self.seen[(key, o + j)] = cdf[b, j].clone()
+                elif (key, o + j) in self.seen:
+                    self.shifts.append(float((cdf[b, j] - self.seen[(key, o + j)]).abs().max()))
+        return self.real_verify(logits_at, vocab, drafts, keys, out_lens, samp, verify, device=device)
+
+
+def _shift_summary(shifts: list[float], out, base, dtype: str) -> dict:
+    """The shift's median, p99 and max, and the drafted run classified against the baseline."""
+    from bench.core import precision
+    thr = precision.near_tie_threshold(dtype)
+    kinds, tie_margins = [], [0.0]
+    for r, b in zip(out, base):
+        kind, t = precision.classify(r.token_ids, r.margins, b.token_ids, b.margins, thr)
+        kinds.append(kind)
+        if kind != "identical":
+            tie_margins.append(max(abs(r.margins[t]), abs(b.margins[t])))
+    sh = torch.tensor(shifts, dtype=torch.float64)
+    return {"positions": len(shifts), "shift_median": float(sh.median()), "shift_p99": float(sh.quantile(0.99)),
+            "shift_max": float(sh.max()), "threshold": thr,
+            "identity_rate": kinds.count("identical") / len(kinds), "near_ties": kinds.count("near_tie"),
+            "rule_divergences": kinds.count("rule_divergence"), "divergence_margin_max": max(tie_margins)}
 
 IDENTITY_METHODS = ("baseline", "prefix_reuse_exact", "tree_cache", "tree_cache_tree", "history_spec",
                     "suffix_global", "hybrid")
