@@ -72,74 +72,96 @@ def drafter_scale(methods=("tree_cache", "das", "seer", "suffix_global"), backen
     ``begin_iteration`` and, per row, one ``propose`` (budget 24) and one one-token ``observe``.
     ``match`` overrides the match rule where a method has one (best: the rule both backends run).
     """
-    import random
-    from omegaconf import OmegaConf
-    import hydra.utils
-    from methods.base import Rollout
-    conf = METHOD_CONF_DIR
     rows = []
     for method in methods:
         for backend in backends:
-            rng = random.Random(0)
-            pools = [[[rng.randrange(vocab) for _ in range(rng.randint(3, 12))] for _ in range(200)]
-                     for _ in range(prompts)]
-
-            def text(p: int) -> list[int]:
-                s: list[int] = []
-                while len(s) < length:
-                    s += pools[p][rng.randrange(200)] if rng.random() < 0.8 else [rng.randrange(vocab)]
-                return s[:length]
-
-            cfg = OmegaConf.load(conf / f"{method}.yaml").drafter
-            cfg.backend = backend
-            if match is not None and "match" in cfg:
-                cfg.match = match
-            drafter = hydra.utils.instantiate(cfg)
+            text = _repetitive_text(prompts, length, vocab)
+            drafter, cfg = _configured_drafter(method, backend, match)
             t0 = time.perf_counter()
-            for visit in range(history):
-                drafter.begin_step(visit)
-                keys = [RolloutKey(f"p{p}", visit) for p in range(prompts)]
-                for k in keys:
-                    out = text(int(k.prompt_id[1:]))
-                    drafter.start(k, [1, 2, 3])
-                    drafter.observe(k, out)
-                    drafter.finish(k, Rollout(k, visit, [1, 2, 3], out, [0.0] * length, "length"))
-            drafter.begin_step(history)
-            keys = [RolloutKey(f"p{p}", 1000 + i) for p in range(prompts) for i in range(n)]
-            outs = {k: text(int(k.prompt_id[1:])) for k in keys}
-            live = {k: outs[k][:at] for k in keys}
-            for k in keys:
-                drafter.start(k, [1, 2, 3])
-                drafter.observe(k, live[k])
+            keys, live, outs = _fill(drafter, text, prompts, n, history, length, at)
             build_s = time.perf_counter() - t0
-            hook = getattr(drafter, "begin_iteration", None)
-            t_prop = t_obs = t_iter = 0.0
-            drafted = 0
-            for it in range(iters):
-                report = [(k, len(live[k])) for k in keys]
-                t = time.perf_counter()
-                if hook is not None:
-                    hook(report)
-                t_iter += time.perf_counter() - t
-                for k in keys:
-                    out = live[k]
-                    t = time.perf_counter()
-                    drafted += len(drafter.propose(k, out, 24))
-                    t_prop += time.perf_counter() - t
-                    new = outs[k][len(out):len(out) + 1]
-                    out += new
-                    t = time.perf_counter()
-                    drafter.observe(k, new)
-                    t_obs += time.perf_counter() - t
-            calls = iters * len(keys)
+            timed = _time_iterations(drafter, keys, live, outs, iters)
             rows.append({"method": method, "backend": drafter.backend, "match": cfg.get("match", "-"),
                          "rows": len(keys), "history_tokens": prompts * history * length,
-                         "build_s": build_s, "ms_per_iteration": 1e3 * (t_prop + t_obs + t_iter) / iters,
-                         "propose_us": 1e6 * t_prop / calls, "observe_us": 1e6 * t_obs / calls,
-                         "begin_iteration_ms": 1e3 * t_iter / iters, "draft_tokens_per_row": drafted / calls})
+                         "build_s": build_s, **timed})
             print(rows[-1], flush=True)
     return rows
 
+
+def _repetitive_text(prompts: int, length: int, vocab: int):
+    """``text(p)``: a ``length``-token rollout of prompt ``p``, 80% phrases from the prompt's own
+    pool of 200 (as a prompt's rollouts repeat each other), 20% random tokens; seeded, so every
+    (method, backend) sees the same texts in the same order."""
+    import random
+    rng = random.Random(0)
+    pools = [[[rng.randrange(vocab) for _ in range(rng.randint(3, 12))] for _ in range(200)] for _ in range(prompts)]
+
+    def text(p: int) -> list[int]:
+        s: list[int] = []
+        while len(s) < length:
+            s += pools[p][rng.randrange(200)] if rng.random() < 0.8 else [rng.randrange(vocab)]
+        return s[:length]
+    return text
+
+
+def _configured_drafter(method: str, backend: str, match: str | None):
+    """The method's drafter from its config, on ``backend``, with ``match`` where it has one."""
+    import hydra.utils
+    from omegaconf import OmegaConf
+    cfg = OmegaConf.load(METHOD_CONF_DIR / f"{method}.yaml").drafter
+    cfg.backend = backend
+    if match is not None and "match" in cfg:
+        cfg.match = match
+    return hydra.utils.instantiate(cfg), cfg
+
+
+def _fill(drafter, text, prompts: int, n: int, history: int, length: int, at: int):
+    """``history`` finished visits of every prompt, then ``prompts`` x ``n`` live rows fast-forwarded
+    to output length ``at``: the live keys, their outputs so far and their whole rollouts."""
+    from methods.base import Rollout
+    for visit in range(history):
+        drafter.begin_step(visit)
+        for k in [RolloutKey(f"p{p}", visit) for p in range(prompts)]:
+            out = text(int(k.prompt_id[1:]))
+            drafter.start(k, [1, 2, 3])
+            drafter.observe(k, out)
+            drafter.finish(k, Rollout(k, visit, [1, 2, 3], out, [0.0] * length, "length"))
+    drafter.begin_step(history)
+    keys = [RolloutKey(f"p{p}", 1000 + i) for p in range(prompts) for i in range(n)]
+    outs = {k: text(int(k.prompt_id[1:])) for k in keys}
+    live = {k: outs[k][:at] for k in keys}
+    for k in keys:
+        drafter.start(k, [1, 2, 3])
+        drafter.observe(k, live[k])
+    return keys, live, outs
+
+
+def _time_iterations(drafter, keys, live, outs, iters: int) -> dict:
+    """``iters`` engine iterations: ``begin_iteration``, then per row one ``propose`` (budget 24)
+    and a one-token ``observe``; the seconds of each kind of call."""
+    hook = getattr(drafter, "begin_iteration", None)
+    t_prop = t_obs = t_iter = 0.0
+    drafted = 0
+    for _ in range(iters):
+        report = [(k, len(live[k])) for k in keys]
+        t = time.perf_counter()
+        if hook is not None:
+            hook(report)
+        t_iter += time.perf_counter() - t
+        for k in keys:
+            out = live[k]
+            t = time.perf_counter()
+            drafted += len(drafter.propose(k, out, 24))
+            t_prop += time.perf_counter() - t
+            new = outs[k][len(out):len(out) + 1]
+            out += new
+            t = time.perf_counter()
+            drafter.observe(k, new)
+            t_obs += time.perf_counter() - t
+    calls = iters * len(keys)
+    return {"ms_per_iteration": 1e3 * (t_prop + t_obs + t_iter) / iters, "propose_us": 1e6 * t_prop / calls,
+            "observe_us": 1e6 * t_obs / calls, "begin_iteration_ms": 1e3 * t_iter / iters,
+            "draft_tokens_per_row": drafted / calls}
 
 def _native_cost(depth, prompts, n, length, visits, text) -> list[dict]:
     """The same lockstep workload on arctic-inference's C++ tree (one per prompt), if installed."""
