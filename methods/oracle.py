@@ -5,7 +5,7 @@ same seed: under coupled sampling a baseline run with the same seed produces exa
 current run will produce, so drafting them bounds what any drafter can gain on an engine. Used by
 tests, by ``python -m bench.benchmarks oracle`` and (as ``future_oracle``) by ``bench.harness.simulate``.
 
-``SuffixAutomaton`` holds the texts a *cache* oracle may copy from (``bench.harness.simulate``'s
+``SuffixAutomaton`` holds the texts a *cache* oracle may copy from (``bench.harness.sim_cache_oracle``'s
 ``cache_oracle_tokens_per_step``: the best any copying drafter could do with a method's cache
 contents and budget), in memory linear in the tokens.
 """

@@ -9,7 +9,7 @@ from recording_drafter import recording
 from bench.core.drafting import drafter_mode
 from bench.core.engine_protocol import Request
 from bench.core.sampling import SamplingConfig
-from bench.harness.simulate import run_step
+from bench.harness.sim_replay import run_step
 from bench.spec.recorded import recorded_rows
 from bench.spec.recorded import Recorded, RecordedBackend
 from bench.spec.scheduler import Scheduler

@@ -7,8 +7,13 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from bench.harness.simulate import (FUTURE_ORACLE, SimulationError, load_input, main, method_config, oracle_passes,
-                            simulable_methods, simulate, summarize, synthetic_log)
+from bench.harness.sim_cache_oracle import oracle_passes
+from bench.harness.sim_inputs import load_input
+from bench.harness.sim_methods import FUTURE_ORACLE, SimulationError, method_config, simulable_methods
+from bench.harness.sim_replay import simulate
+from bench.harness.sim_summary import summarize
+from bench.harness.sim_synthetic import synthetic_log
+from bench.harness.simulate import main
 from methods.base import Draft, NullDrafter
 from methods.oracle import SuffixAutomaton
 

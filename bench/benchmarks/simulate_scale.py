@@ -25,8 +25,9 @@ def _sim_parts(stdout: str) -> dict[str, float]:
 
 def _cache_oracles(log_dir: str) -> None:
     """Every distinct cache oracle of the simulable methods on a log, alone: seconds and tokens per step."""
-    from bench.harness.simulate import (FUTURE_ORACLE, build_drafter, cache_bound, load_input, method_config,
-                           oracle_passes, simulable_methods)
+    from bench.harness.sim_cache_oracle import cache_bound, oracle_passes
+    from bench.harness.sim_inputs import load_input
+    from bench.harness.sim_methods import FUTURE_ORACLE, build_drafter, method_config, simulable_methods
     steps, prompts, _ = load_input(log_dir)
     max_new = max(len(t) for df in steps.values() for t in df["token_ids"])
     tokens = sum(len(t) for df in steps.values() for t in df["token_ids"])
@@ -48,7 +49,7 @@ def _cache_oracles(log_dir: str) -> None:
 def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: int = 16, samples: int = 8,
                    max_len: int = 4096, probe_prompts: int = 0, timeout: float = 600.0) -> list[dict]:
     """``python -m bench.harness.simulate`` on a synthetic log of steps x (prompts x samples) rollouts of at
-    most ``max_len`` tokens (``bench.harness.simulate.synthetic_log``: vocabulary 151,936, per-prompt
+    most ``max_len`` tokens (``bench.harness.sim_synthetic.synthetic_log``: vocabulary 151,936, per-prompt
     templates that rollouts copy with edits, long-tailed lengths), each run in its own process:
     wall seconds and peak RSS of the whole command, and the seconds of each part (every method's
     replay, every cache oracle). First ``methods`` together on the whole log; then each ``probe``
@@ -61,7 +62,8 @@ def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: i
     from methods.oracle import SuffixAutomaton
     from methods.suffix.index import SuffixIndex
     from methods.suffix.tree import SuffixTrie
-    from bench.harness.simulate import simulable_methods, synthetic_log, write_log
+    from bench.harness.sim_methods import simulable_methods
+    from bench.harness.sim_synthetic import synthetic_log, write_log
     t = time.perf_counter()
     log, _ = synthetic_log(steps=steps, prompts=prompts, samples=samples, max_len=max_len)
     gen_s = time.perf_counter() - t

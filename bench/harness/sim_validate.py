@@ -78,14 +78,15 @@ def validate(run_dir: Path, table_path: Path, jobs: int = 1) -> pd.DataFrame:
     """Per (step, method): measured and predicted speedup and the relative error."""
     from bench.spec.latency import LatencyTable, predict_iterations
     from bench.report.results import load_iterations, load_run
-    from bench.harness.simulate import load_input, simulate
+    from bench.harness.sim_inputs import load_input
+    from bench.harness.sim_replay import simulate
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     _, _, _, steps = load_run(run_dir)
     eng_it = load_iterations(run_dir)
     table = LatencyTable.read(table_path)
     from omegaconf import OmegaConf
 
-    from bench.harness.simulate import SimulationError, check_simulable
+    from bench.harness.sim_methods import SimulationError, check_simulable
     engine = config["engine"]
     policy = engine.get("spec_policy", "fixed")
     if engine.get("name") != "torch_ref" or engine.get("max_batch_size") is not None:
