@@ -58,32 +58,14 @@ def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: i
     as large as in the whole log), its time scaled by the token ratio as an estimate. Last, the oracle's structure for
     one rollout: suffix automaton states against the nodes of the old oracle's depth-max_len trie.
     """
-    import sys
-    from methods.oracle import SuffixAutomaton
-    from methods.suffix.index import SuffixIndex
-    from methods.suffix.tree import SuffixTrie
-    from bench.harness.sim_methods import simulable_methods
     from bench.harness.sim_synthetic import synthetic_log, write_log
     t = time.perf_counter()
     log, _ = synthetic_log(steps=steps, prompts=prompts, samples=samples, max_len=max_len)
     gen_s = time.perf_counter() - t
     tokens = sum(len(x) for df in log.values() for x in df["token_ids"])
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         full = write_log(log, Path(tmp) / "full")
-        cmd = [sys.executable, "-m", "bench.harness.simulate", str(full), *[a for m in methods for a in ("--method", m)]]
-        r = run_measured(cmd, timeout)
-        print(f"$ python -m bench.harness.simulate LOG {' '.join(cmd[4:])}   (log generated in {gen_s:.1f}s)")
-        print(r["stdout"])
-        rows.append({"run": "together, whole log", "methods": ",".join(methods), "tokens": tokens,
-                     "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
-                     "parts": "; ".join(f"{k} {v:.1f}s" for k, v in _sim_parts(r["stdout"]).items())})
-        r = run_measured([sys.executable, "-c", "import sys; from bench.benchmarks.simulate_scale import _cache_oracles; "
-                           "_cache_oracles(sys.argv[1])", str(full)], timeout)
-        print("every distinct cache oracle alone, whole log:\n" + r["stdout"])
-        rows.append({"run": "cache oracles alone, whole log", "methods": "(of every simulable method)",
-                     "tokens": tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
-                     "parts": "; ".join(f"{k} {v:.1f}s" for k, v in _sim_parts(r["stdout"]).items())})
+        rows = _together_rows(full, methods, tokens, gen_s, timeout)
         if probe_prompts and probe_prompts < prompts:
             keep = {f"p{i}" for i in range(probe_prompts)}
             cut = {s: df[df["prompt_id"].isin(keep)].reset_index(drop=True) for s, df in log.items()}
@@ -92,29 +74,72 @@ def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: i
             where = f"alone, {probe_prompts} of {prompts} prompts"
         else:  # each probe method alone on the whole log
             cut_tokens, small, where = tokens, full, "alone, whole log"
-        probe = [m for m in simulable_methods() if m not in methods] if probe is None else list(probe)
-        base = run_measured([sys.executable, "-c", "import bench.harness.simulate"], timeout)
-        rows.append({"run": "imports only", "methods": "", "tokens": 0, "wall_s": base["wall_s"],
-                     "peak_rss_mb": base["peak_rss_mb"], "status": base["status"], "parts": ""})
-        ratio = tokens / cut_tokens
-        for m in probe:
-            r = run_measured([sys.executable, "-m", "bench.harness.simulate", str(small), "--method", m], timeout)
-            parts = _sim_parts(r["stdout"])
-            own = parts.get(m, float("nan"))
-            oracle = sum(v for k, v in parts.items() if k.startswith("cache oracle"))
-            rss = base["peak_rss_mb"] + (r["peak_rss_mb"] - base["peak_rss_mb"]) * ratio
-            if r["status"]:
-                rows.append({"run": where, "methods": m,
-                             "tokens": cut_tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"],
-                             "status": r["status"], "parts": f"failed: {r['error']}"})
-                continue
-            rows.append({"run": where, "methods": m, "tokens": cut_tokens,
-                         "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
-                         "parts": (f"{m} {own:.1f}s ({1e6 * own / cut_tokens:.0f} us/token); cache oracle {oracle:.1f}s"
-                                   + (f"; whole log x{ratio:.1f}: ~{own * ratio:.0f}s, ~{rss:.0f} MB" if ratio > 1 else ""))})
+        rows += _probe_rows(small, methods, probe, where, tokens, cut_tokens, timeout)
+    return rows + _structure_rows(max_len)
+
+
+def _parts_text(stdout: str) -> str:
+    return "; ".join(f"{k} {v:.1f}s" for k, v in _sim_parts(stdout).items())
+
+
+def _together_rows(full: Path, methods, tokens: int, gen_s: float, timeout: float) -> list[dict]:
+    """``methods`` simulated together on the whole log, then every distinct cache oracle alone."""
+    import sys
+    cmd = [sys.executable, "-m", "bench.harness.simulate", str(full), *[a for m in methods for a in ("--method", m)]]
+    r = run_measured(cmd, timeout)
+    print(f"$ python -m bench.harness.simulate LOG {' '.join(cmd[4:])}   (log generated in {gen_s:.1f}s)")
+    print(r["stdout"])
+    rows = [{"run": "together, whole log", "methods": ",".join(methods), "tokens": tokens,
+             "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
+             "parts": _parts_text(r["stdout"])}]
+    r = run_measured([sys.executable, "-c", "import sys; from bench.benchmarks.simulate_scale import _cache_oracles; "
+                       "_cache_oracles(sys.argv[1])", str(full)], timeout)
+    print("every distinct cache oracle alone, whole log:\n" + r["stdout"])
+    rows.append({"run": "cache oracles alone, whole log", "methods": "(of every simulable method)",
+                 "tokens": tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
+                 "parts": _parts_text(r["stdout"])})
+    return rows
+
+
+def _probe_rows(small: Path, methods, probe, where: str, tokens: int, cut_tokens: int, timeout: float) -> list[dict]:
+    """The imports alone, then each probe method alone on ``small`` (the whole log, or a cut of it
+    whose seconds and memory are scaled by the token ratio as an estimate)."""
+    import sys
+    from bench.harness.sim_methods import simulable_methods
+    probe = [m for m in simulable_methods() if m not in methods] if probe is None else list(probe)
+    base = run_measured([sys.executable, "-c", "import bench.harness.simulate"], timeout)
+    rows = [{"run": "imports only", "methods": "", "tokens": 0, "wall_s": base["wall_s"],
+             "peak_rss_mb": base["peak_rss_mb"], "status": base["status"], "parts": ""}]
+    ratio = tokens / cut_tokens
+    for m in probe:
+        r = run_measured([sys.executable, "-m", "bench.harness.simulate", str(small), "--method", m], timeout)
+        parts = _sim_parts(r["stdout"])
+        own = parts.get(m, float("nan"))
+        oracle = sum(v for k, v in parts.items() if k.startswith("cache oracle"))
+        rss = base["peak_rss_mb"] + (r["peak_rss_mb"] - base["peak_rss_mb"]) * ratio
+        if r["status"]:
+            rows.append({"run": where, "methods": m,
+                         "tokens": cut_tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"],
+                         "status": r["status"], "parts": f"failed: {r['error']}"})
+            continue
+        rows.append({"run": where, "methods": m, "tokens": cut_tokens,
+                     "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
+                     "parts": (f"{m} {own:.1f}s ({1e6 * own / cut_tokens:.0f} us/token); cache oracle {oracle:.1f}s"
+                               + (f"; whole log x{ratio:.1f}: ~{own * ratio:.0f}s, ~{rss:.0f} MB" if ratio > 1 else ""))})
+    return rows
+
+
+def _structure_rows(max_len: int) -> list[dict]:
+    """The oracle's structure for one rollout of random tokens: suffix automaton states against the
+    drafters' index and the tries (the reference at depth 64, the old oracle's at depth max_len)."""
     import random
+
+    from methods.oracle import SuffixAutomaton
+    from methods.suffix.index import SuffixIndex
+    from methods.suffix.tree import SuffixTrie
     rng = random.Random(0)
     text = [rng.randrange(151_936) for _ in range(max_len)]
+    rows = []
     for n in sorted({min(1024, max_len), max_len}):
         sam = SuffixAutomaton()
         t = time.perf_counter()
@@ -127,20 +152,16 @@ def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: i
         detail += (f"; drafters' index (depth 64) {index.num_nodes} states, ~{index.approx_bytes() / 1e6:.2f} MB, "
                    f"{time.perf_counter() - t:.3f}s")
         if n <= 1024:
-            trie = SuffixTrie(64)
-            t = time.perf_counter()
-            trie.extend(0, text[:n])
-            detail += (f"; reference trie (depth 64) {trie.num_nodes} nodes, ~{trie.approx_bytes() / 1e6:.0f} MB, "
-                       f"{time.perf_counter() - t:.2f}s")
-            trie = SuffixTrie(n)
-            t = time.perf_counter()
-            trie.extend(0, text[:n])
-            detail += (f"; old oracle trie (depth {n}) {trie.num_nodes} nodes, ~{trie.approx_bytes() / 1e6:.0f} MB, "
-                       f"{time.perf_counter() - t:.1f}s")
+            for depth, label, digits in ((64, "reference trie (depth 64)", 2), (n, f"old oracle trie (depth {n})", 1)):
+                trie = SuffixTrie(depth)
+                t = time.perf_counter()
+                trie.extend(0, text[:n])
+                seconds = time.perf_counter() - t
+                detail += (f"; {label} {trie.num_nodes} nodes, ~{trie.approx_bytes() / 1e6:.0f} MB, "
+                           f"{seconds:.{digits}f}s")
         rows.append({"run": f"one {n}-token rollout", "methods": "cache oracle structure", "tokens": n,
                      "wall_s": float("nan"), "peak_rss_mb": float("nan"), "status": 0, "parts": detail})
     return rows
-
 
 def main(argv=None) -> None:
     ap = parser("simulate-scale", "bench.harness.simulate on 8 steps x 128 rollouts x 4,096 tokens: seconds, RSS")
