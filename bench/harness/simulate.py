@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-class _Run(NamedTuple):
+class _SimulationInputs(NamedTuple):
     """The command's inputs, methods and price targets, all checked before anything is simulated."""
 
     steps: dict[int, pd.DataFrame]
@@ -117,7 +117,7 @@ class _Run(NamedTuple):
     prices: Any
 
 
-def _prepare(args: argparse.Namespace) -> _Run:
+def _prepare(args: argparse.Namespace) -> _SimulationInputs:
     """Load the input and check every flag now, so a bad one is one clear error (``SimulationError``)."""
     steps, prompts, max_new = load_input(args.input)
     names = [n for m in args.method for n in (simulable_methods() if m == "all" else [m])]
@@ -133,7 +133,7 @@ def _prepare(args: argparse.Namespace) -> _Run:
         raise SimulationError(f"--jobs {args.jobs}: give a number of processes >= 1")
     if args.figures and not targets:
         raise SimulationError("--figures draws predictions: give --predict HARDWARE:MODEL or --table CSV")
-    return _Run(steps, prompts, max_new, cfgs, targets, run_steps, prices)
+    return _SimulationInputs(steps, prompts, max_new, cfgs, targets, run_steps, prices)
 
 
 def _print_tables(rows: pd.DataFrame, args: argparse.Namespace, targets: list[dict], prices) -> pd.DataFrame:

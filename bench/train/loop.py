@@ -133,7 +133,7 @@ def run_training(run_dir: Path, method: MethodSpec, cfg: TrainConfig, identity: 
 
 
 @dataclass
-class _Run:
+class _TrainingRun:
     """What every step of one closed-loop run works with: the folder it commits to, the method and
     its drafter, the policy with its optimizer, the prompts and the engine."""
 
@@ -157,7 +157,7 @@ class _Run:
 
 
 def _start(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels: dict, start: int,
-           progress: bool) -> _Run:
+           progress: bool) -> _TrainingRun:
     """The warm start (or the state committed after step ``start - 1``), the prompts and the engine."""
     from transformers import AutoModelForCausalLM
 
@@ -183,7 +183,7 @@ def _start(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels:
     schedule = replace(rec, seed=cfg.seed)  # the prompt order follows the RL seed
     sampling = sampling_for(rec, seed=cfg.seed)
     engine = TorchRefEngine(device="cpu", dtype=cfg.dtype)
-    return _Run(folder, method, cfg, rec, labels, tok, model, opt, drafter, heldout, pids, by_pid, prompt_tokens,
+    return _TrainingRun(folder, method, cfg, rec, labels, tok, model, opt, drafter, heldout, pids, by_pid, prompt_tokens,
                 schedule, sampling, engine, folder.run_dir / ".policy")
 
 
@@ -210,7 +210,7 @@ def _train(folder: TrainRunFolder, method: MethodSpec, cfg: TrainConfig, labels:
         shutil.rmtree(run.scratch, ignore_errors=True)
 
 
-def _step_requests(run: _Run, step: int) -> tuple[list[Request], RunAheadQueue | None]:
+def _step_requests(run: _TrainingRun, step: int) -> tuple[list[Request], RunAheadQueue | None]:
     """The step's rollouts (n per prompt) and, for a run-ahead method, the next step's."""
     n = run.rec.n
     requests = [Request(RolloutKey(pid, i), run.prompt_tokens[pid], step)
@@ -223,7 +223,7 @@ def _step_requests(run: _Run, step: int) -> tuple[list[Request], RunAheadQueue |
     return requests, run_ahead
 
 
-def _train_step(run: _Run, step: int, warm_up: bool) -> dict:
+def _train_step(run: _TrainingRun, step: int, warm_up: bool) -> dict:
     """One GRPO step: sync the policy into the engine, score the held-out set, roll out with the
     method, reward, update; commits the step and returns its row."""
     from bench.traces.record import task as countdown
