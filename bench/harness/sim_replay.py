@@ -18,6 +18,7 @@ import time
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import pandas as pd
+from tqdm.auto import tqdm
 
 from methods.base import Rollout
 
@@ -160,7 +161,6 @@ def _engine_capped_bound(drafter, max_new_tokens: int) -> CacheBound | None:
 def _method_rows(s: _Settings, name: str, drafter, bound: CacheBound | None,
                  passes: Mapping[tuple[int, str, int], int]) -> tuple[list[tuple], list[dict]]:
     """One method's per-rollout rows (``ROW_COLUMNS``) over the simulated steps, and its iteration log."""
-    from tqdm.auto import tqdm
     label = "" if bound is None else bound.label()
     out: list[tuple] = []
     iterations: list[dict] = []
@@ -196,7 +196,6 @@ def _in_processes(rollouts_by_step, prompts, method_cfgs, max_new_tokens, progre
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    from tqdm.auto import tqdm
     global _SHARED
     methods = list(method_cfgs)
     fork = "fork" in multiprocessing.get_all_start_methods()

@@ -56,14 +56,14 @@ def validate_method(name: str, entry: dict) -> None:
         check_all(tuple(verify_knobs), entry["verify"], f"method.{name}.verify", where, noun="key")
     drafter = entry.get("drafter")
     if not isinstance(drafter, dict) or drafter.get("_target_") not in DRAFTERS:
-        return  # no drafter: bench.harness.cli says how to select a method; an unknown class checks itself
+        return  # no drafter: bench.harness.config_checks says how to select a method; an unknown class checks itself
     values = {k: v for k, v in drafter.items() if not k.startswith("_")}
     check_all(DRAFTERS[drafter["_target_"]], values, f"method.{name}.drafter", where,
               head=f"method.{name}.drafter cannot be built: it has")
 
 
 def validate_engine(settings: dict) -> None:
-    """The ``engine`` node of a known engine (an unknown name is bench.harness.cli's to refuse)."""
+    """The ``engine`` node of a known engine (an unknown name is refused where the engine is built, bench.harness.cli)."""
     name = settings.get("name")
     if name not in ENGINES:
         return

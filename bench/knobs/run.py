@@ -3,7 +3,7 @@
     python -m bench.harness.cli max_steps=0        # refused by EXPERIMENT's max_steps before anything is written
 
 ``TRACE`` is conf/trace/*.yaml; ``EXPERIMENT`` is every top-level key of conf/bench.yaml that is not a
-config group. Checks that need the trace itself (``steps`` naming recorded steps) stay in bench.harness.cli.
+config group. Checks that need the trace itself (``steps`` naming recorded steps) stay in bench.harness.config_checks.
 tests/test_knobs.py compares both with the YAML files.
 """
 from __future__ import annotations
