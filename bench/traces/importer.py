@@ -15,9 +15,9 @@ last number in the name is the step) need prompt_id and token_ids; sample_idx, l
 reward are optional. A rollouts file of a step without a checkpoint makes a rollouts-only step
 (a sparse trace: the replay feeds it to the drafters).
 
-Rollout dumps of real runs (``--dump DIR --dump-format verl|trl``, decoded text re-tokenized with
-the run's tokenizer; the prompts then come from the dump, ``--prompts`` is not needed; read by
-``bench.traces.rollout_dumps``):
+Rollout dumps of real runs (``--dump PATH --dump-format verl|trl|samples``, decoded text
+re-tokenized with the run's tokenizer; the prompts then come from the dump, ``--prompts`` is not
+needed; read by ``bench.traces.rollout_dumps``):
 
 - ``verl``: ``trainer.rollout_data_dir``, one ``{step}.jsonl`` per step, rows ``input``, ``output``
   (decoded with special tokens skipped), ``score``, ``step`` (``gts`` and reward extras kept out);
@@ -25,6 +25,15 @@ the run's tokenizer; the prompts then come from the dump, ``--prompts`` is not n
 - ``trl``: GRPOTrainer's ``log_completions``: ``completions/completions_{step:05d}.parquet`` under
   the output dir, columns ``step``, ``prompt``, ``completion``, one column per reward function
   (``reward`` if present, else the only one), ``advantage``; logged at logging steps only.
+- ``samples``: an evaluation dump, a ``.jsonl`` file (or a directory of them) with one prompt and
+  its n samples a line: ``prompt`` (text, or a list of chat messages), ``samples`` (or
+  ``completions``, ``responses``, ``outputs``: a list of texts), optional ``rewards``/``scores`` (one
+  a sample), ``step`` (default 0) and ``prompt_id``.
+
+Without the run's tokenizer, ``--tokenizer stand-in`` re-tokenizes a dump with SmolLM2-135M-Instruct's
+(the real model the suite ships; the ``real`` extra), with a one-line warning that token counts, and
+so acceptance and speedups, will differ from the run's. A trace's checkpoints need their own
+tokenizer, so ``stand-in`` is for simulation logs (``--log-out``) only.
 
 OpenRLHF writes no rollout dump (its trainer logs scalars and, with wandb, sample tables only), so
 it has no format here. Without checkpoints, ``python -m bench.traces.importer --dump DIR
@@ -45,7 +54,7 @@ import tempfile
 from pathlib import Path
 
 from bench.traces.format import Trace, TraceError, TraceSampling, checkpoint_relpath, iter_jsonl
-from bench.traces.rollout_dumps import (DUMP_FORMATS, RETOKENIZED_NOTE, dump_prompts, load_tokenizer, read_dump,
+from bench.traces.rollout_dumps import (DUMP_FORMATS, RETOKENIZED_NOTE, STAND_IN, dump_prompts, load_tokenizer, read_dump,
                                        write_dump_log)
 from bench.traces.writer import TraceWriter, publish_dir
 
@@ -291,13 +300,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=Path, help="prompts .jsonl (text or token_ids); not needed with --dump")
     ap.add_argument("--out", type=Path, help="trace dir to create")
     ap.add_argument("--rollouts", type=Path, help="dir of per-step rollout files (.jsonl/.parquet)")
-    ap.add_argument("--dump", type=Path, help="a real run's rollout dump dir (see --dump-format)")
+    ap.add_argument("--dump", type=Path, help="a real run's rollout dump dir, or an evaluation dump .jsonl "
+                                              "(see --dump-format)")
     ap.add_argument("--dump-format", choices=DUMP_FORMATS, default="verl",
-                    help="verl: trainer.rollout_data_dir {step}.jsonl; trl: GRPOTrainer log_completions parquet")
+                    help="verl: trainer.rollout_data_dir {step}.jsonl; trl: GRPOTrainer log_completions parquet; "
+                         "samples: jsonl lines of a prompt and its samples")
     ap.add_argument("--log-out", type=Path, help="with --dump and no --checkpoints: write a simulation log here")
     ap.add_argument("--steps-per-prompt-visit", type=int, default=1,
                     help="steps between two visits of a prompt when prompts carry no `step`")
-    ap.add_argument("--tokenizer", type=Path, help="tokenizer dir (default: the first checkpoint's)")
+    ap.add_argument("--tokenizer", type=Path, help="tokenizer dir (default: the first checkpoint's); 'stand-in': "
+                    "SmolLM2-135M-Instruct's, for a dump whose run's tokenizer is not at hand (counts will differ)")
     ap.add_argument("--no-special-tokens", action="store_true", help="tokenize text without BOS etc.")
     ap.add_argument("--name")
     ap.add_argument("--task", help="task name for rewards (e.g. countdown); none by default")
@@ -319,6 +331,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if a.out is None:
         raise TraceError("pass --out TRACE_DIR (the trace to create)")
+    if a.tokenizer is not None and str(a.tokenizer) == STAND_IN and not a.tokenizer.exists():
+        raise TraceError("--tokenizer stand-in is for a dump without checkpoints (--dump ... --log-out LOG_DIR): a "
+                         "trace's checkpoints need the run's own tokenizer (--tokenizer DIR)")
     if a.tokenizer is not None:
         load_tokenizer(a.tokenizer)
     sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k,

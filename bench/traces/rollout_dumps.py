@@ -1,11 +1,15 @@
-"""Rollout dumps of real RL runs (verl, TRL) read as per-step rollouts, re-tokenized from their text.
+"""Rollout dumps of real RL runs (verl, TRL) and evaluation dumps (a prompt and its n samples)
+read as per-step rollouts, re-tokenized from their text.
 
 ``bench.traces.importer`` builds a trace from checkpoints; this module reads the rollout dumps
-its ``--dump DIR --dump-format verl|trl`` flags name (the formats are described in the importer's
-docstring), and writes a dump without checkpoints as a simulation log. Kept apart because it
-reads other trainers' files, not this suite's layout.
+its ``--dump PATH --dump-format verl|trl|samples`` flags name (the formats are described in the
+importer's docstring), and writes a dump without checkpoints as a simulation log. Kept apart
+because it reads other tools' files, not this suite's layout. Without the run's tokenizer,
+``--tokenizer stand-in`` re-tokenizes with SmolLM2-135M-Instruct's (the real model the suite
+ships), with a one-line warning that token counts will differ.
 
     python -m bench.traces.importer --dump DIR --dump-format verl --tokenizer TOK --log-out LOG_DIR
+    python -m bench.traces.importer --dump evals.jsonl --dump-format samples --tokenizer stand-in --log-out LOG_DIR
     python -m pytest -q tests/test_trace_import.py     # on fixtures in exactly those formats
 """
 from __future__ import annotations
@@ -17,7 +21,13 @@ from pathlib import Path
 
 from bench.traces.format import TraceError, iter_jsonl
 
-DUMP_FORMATS = ("verl", "trl")
+DUMP_FORMATS = ("verl", "trl", "samples")
+SAMPLES_KEYS = ("samples", "completions", "responses", "outputs")  # an evaluation dump's list of samples
+REWARDS_KEYS = ("rewards", "scores")
+STAND_IN = "stand-in"
+STAND_IN_WARNING = ("warning: --tokenizer stand-in: text re-tokenized with SmolLM2-135M-Instruct's tokenizer "
+                    "(vocabulary 49,152), not the run's: token counts, acceptance and speedups will differ from "
+                    "the run's")
 VERL_FIELDS = ("input", "output", "step")
 TRL_FIELDS = ("step", "prompt", "completion")
 TRL_NOT_REWARDS = {"step", "prompt", "completion", "advantage", "mode", "image", "images"}
@@ -26,7 +36,10 @@ RETOKENIZED_NOTE = ("token ids re-tokenized from decoded text (special tokens we
 
 
 def load_tokenizer(path: Path | str | None, what: str = "--tokenizer"):
-    """A Hugging Face tokenizer from a local dir; a missing or unreadable one is a TraceError."""
+    """A Hugging Face tokenizer from a local dir (``stand-in``: SmolLM2-135M-Instruct's, with a
+    warning on stderr); a missing or unreadable one is a TraceError."""
+    if path is not None and str(path) == STAND_IN and not Path(path).exists():
+        return _stand_in_tokenizer(what)
     if path is None:
         raise TraceError(f"re-tokenizing a rollout dump needs the run's tokenizer: pass {what} DIR "
                          f"(a saved Hugging Face tokenizer)")
@@ -39,6 +52,20 @@ def load_tokenizer(path: Path | str | None, what: str = "--tokenizer"):
         return AutoTokenizer.from_pretrained(str(p))
     except Exception as exc:  # a corrupt file: say which dir
         raise TraceError(f"{what} {p}: the tokenizer cannot be loaded ({exc}); pass the run's saved tokenizer dir") from exc
+
+
+def _stand_in_tokenizer(what: str):
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from bench.traces.real_model import RealModelError, ensure_real_model
+    try:
+        folder = ensure_real_model()
+    except RealModelError as exc:
+        raise TraceError(f"{what} {STAND_IN} needs the real model: {exc}") from exc
+    print(STAND_IN_WARNING, file=sys.stderr)
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def _dump_files(directory: Path, fmt: str) -> dict[int, Path]:
@@ -121,12 +148,79 @@ def _dump_rewards(records: list[dict], fmt: str) -> list[float]:
     return [float(r[col]) if col is not None and r[col] is not None else math.nan for r in records]
 
 
+def _sample_files(path: Path) -> list[Path]:
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    files = sorted(p.glob("*.jsonl")) if p.is_dir() else []
+    if not files:
+        raise TraceError(f"--dump {p}: an evaluation dump is a .jsonl file (or a directory of them) with one "
+                         f"prompt and its samples a line")
+    return files
+
+
+def _sample_records(path: Path):
+    """(file, line, prompt, samples, rewards, step, prompt_id) for every line of an evaluation dump:
+    ``{"prompt": text or chat messages, "samples": [text, ...]}`` (or ``completions``, ``responses``,
+    ``outputs``), optional ``rewards``/``scores`` (one a sample), ``step`` (default 0), ``prompt_id``."""
+    for f in _sample_files(path):
+        for lineno, r in iter_jsonl(f):
+            key = next((k for k in SAMPLES_KEYS if k in r), None)
+            if "prompt" not in r or key is None or not isinstance(r[key], list) or not r[key]:
+                raise TraceError(f"{f}:{lineno}: an evaluation dump line needs `prompt` and a non-empty list "
+                                 f"`samples` (or one of {list(SAMPLES_KEYS[1:])})")
+            rkey = next((k for k in REWARDS_KEYS if k in r), None)
+            rewards = r[rkey] if rkey else [math.nan] * len(r[key])
+            if not isinstance(rewards, list) or len(rewards) != len(r[key]):
+                raise TraceError(f"{f}:{lineno}: `{rkey}` has {len(rewards) if isinstance(rewards, list) else 'no'} "
+                                 f"entries for {len(r[key])} samples; give one reward a sample")
+            try:
+                step = int(r.get("step", 0))
+            except (TypeError, ValueError):
+                raise TraceError(f"{f}:{lineno}: `step` must be an integer, got {r.get('step')!r}") from None
+            yield f, lineno, r["prompt"], r[key], rewards, step, r.get("prompt_id")
+
+
+def read_samples(path: Path, tokenizer, add_special_tokens: bool = True) -> dict[int, "object"]:
+    """step -> DataFrame, as ``read_dump``, of an evaluation dump (``_sample_records``); every line
+    is one prompt's samples, and a prompt seen again at the same step adds samples after its first."""
+    import pandas as pd
+    data: dict[int, list[dict]] = {}
+    seen: dict[tuple[int, str], int] = {}
+    for f, lineno, prompt, samples, rewards, step, given_id in _sample_records(path):
+        prompt = _text(prompt, f, f":{lineno}", tokenizer, True)
+        key, pids = _prompt_ids(prompt, tokenizer, add_special_tokens)
+        pid = str(given_id) if given_id is not None else _prompt_id(key)
+        for text, reward in zip(samples, rewards):
+            output = _text(text, f, f":{lineno}", tokenizer, False)
+            idx = seen.get((step, pid), 0)
+            seen[(step, pid)] = idx + 1
+            data.setdefault(step, []).append(
+                {"prompt_id": pid, "sample_idx": idx, "prompt_text": key, "prompt_token_ids": pids,
+                 "token_ids": tokenizer(output, add_special_tokens=False)["input_ids"], "logprobs": None,
+                 "reward": float(reward) if reward is not None else math.nan, "retokenized": True})
+    return {step: pd.DataFrame(rows) for step, rows in sorted(data.items())}
+
+
+def _prompt_id(key: str) -> str:
+    import hashlib
+    return "h" + hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def _prompt_ids(prompt, tokenizer, add_special_tokens: bool) -> tuple[str, list[int]]:
+    """The prompt's identity text and its token ids (text is tokenized; a chat prompt came as ids)."""
+    key = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    ids = prompt if not isinstance(prompt, str) else tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+    return key, [int(t) for t in ids]
+
+
 def read_dump(directory: Path, fmt: str, tokenizer, add_special_tokens: bool = True) -> dict[int, "object"]:
     """step -> DataFrame (prompt_id, sample_idx, token_ids, prompt_token_ids, prompt_text, reward,
-    retokenized) of a verl or TRL rollout dump; every problem is one TraceError naming the file."""
-    import hashlib
-
+    retokenized) of a verl, TRL or evaluation (``samples``) dump; every problem is one TraceError
+    naming the file."""
     import pandas as pd
+    if fmt == "samples":
+        return read_samples(directory, tokenizer, add_special_tokens)
     out = {}
     for step, f in _dump_files(Path(directory), fmt).items():
         records, where = _dump_records(f, fmt, step)
@@ -136,14 +230,12 @@ def read_dump(directory: Path, fmt: str, tokenizer, add_special_tokens: bool = T
         for i, r in enumerate(records):
             prompt = _text(r["input"] if fmt == "verl" else r["prompt"], f, where(i), tokenizer, True)
             output = _text(r["output"] if fmt == "verl" else r["completion"], f, where(i), tokenizer, False)
-            key = prompt if isinstance(prompt, str) else json.dumps(prompt)
-            pid = "h" + hashlib.sha1(key.encode()).hexdigest()[:12]
+            key, pids = _prompt_ids(prompt, tokenizer, add_special_tokens)
+            pid = _prompt_id(key)
             idx = seen.get(pid, 0)  # the n samples of a prompt, by order
             seen[pid] = idx + 1
-            pids = prompt if not isinstance(prompt, str) else \
-                tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
             data.append({"prompt_id": pid, "sample_idx": idx, "prompt_text": key,
-                         "prompt_token_ids": [int(t) for t in pids],
+                         "prompt_token_ids": pids,
                          "token_ids": tokenizer(output, add_special_tokens=False)["input_ids"],
                          "logprobs": None, "reward": rewards[i], "retokenized": True})
         out[step] = pd.DataFrame(data)
