@@ -68,8 +68,9 @@ OLD_VERIFIER_REF = "8b6fa4db1481c7349c9045238317876b19fc782b"
 
 
 def _old_verifier(ref: str):
-    """bench/verify.py and bench/sampling.py (the layout before bench/core/) as they were at git ``ref``, imported as a package of
-    their own (``git show`` into a temporary folder), to run beside the current ones."""
+    """The verifier and sampling modules as they were at git ``ref`` (then at the top of bench/, before
+    bench/core/ existed), imported as a package of their own (``git show`` into a temporary folder),
+    to run beside the current ones."""
     import importlib
     import subprocess
     import sys
