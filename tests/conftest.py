@@ -8,7 +8,7 @@ def tiny_trace():
 
     Recorded on first use (about half a minute on one core) into ``$SPECROLLOUT_CACHE``.
     """
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     return ensure_trace("countdown-tiny", tiny=True, progress=False)
 
 

@@ -19,7 +19,7 @@ def test_two_job_sweep_on_a_local_ray_cluster(tmp_path):
     pytest.importorskip("ray")
     pytest.importorskip("hydra_plugins.hydra_ray_launcher")
     from bench.report.collect import collect
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     ensure_trace("countdown-tiny", tiny=True, progress=False)  # recorded before the jobs start
     args = [sys.executable, "-m", "bench.harness.cli", "-m", "trace=countdown_tiny", "plots=false", "progress=false",
             "method=baseline,tree_cache", "max_steps=2", f"results_root={tmp_path / 'runs'}",

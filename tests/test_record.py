@@ -128,7 +128,7 @@ def test_baseline_replay_reproduces_the_recording(tiny_trace):
 
 
 def test_ensure_trace_is_atomic(tmp_path, monkeypatch):
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     from bench.traces.record import grpo
 
     def killed(out, cfg, progress=True):
@@ -142,7 +142,7 @@ def test_ensure_trace_is_atomic(tmp_path, monkeypatch):
 
 
 def test_ensure_trace_reuses_an_existing_trace(tiny_trace, tmp_path, monkeypatch):
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     from bench.traces.record import grpo
 
     monkeypatch.setattr(grpo, "record", lambda *a, **k: pytest.fail("must not record again"))
@@ -212,7 +212,7 @@ def test_bpe_tokenizer_is_trained_on_the_task_text(tmp_path):
 
 @pytest.fixture(scope="session")
 def search_trace():
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     return ensure_trace("countdown-search-tiny", tiny=True, progress=False)
 
 
@@ -276,7 +276,8 @@ def test_a_current_bundled_trace_is_copied_not_recorded(tiny_trace, tmp_path, mo
 
     import yaml
 
-    from bench.traces.record import cache, ensure_trace, grpo
+    from bench.traces.record import cache, grpo
+    from bench.traces.record.cache import ensure_trace
     bundled = tmp_path / "bundled"
     shutil.copytree(tiny_trace, bundled / "countdown-tiny")
     monkeypatch.setattr(cache, "BUNDLED", bundled)

@@ -66,7 +66,7 @@ def test_every_exact_method_is_token_identical_to_baseline(tmp_path, sampling):
 
 
 def test_oracle_replay_accepts_the_recorded_future(tmp_path):
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
     steps = trace.step_numbers[:2]
     futures = {RolloutKey(p, int(i)): [int(t) for t in toks]
@@ -124,7 +124,7 @@ def _assert_same_run(a_dir, b_dir, ignore=()):
 def test_resume_at_every_unit_boundary_equals_the_uninterrupted_run(tmp_path):
     """5 steps x 6 methods, the run killed after every single unit and resumed each time."""
     from bench.harness.cli import method_specs
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     from bench.harness.replay import ReplayInterrupted
     trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
     cfg = cfg_for("method=[" + ",".join(RESUME_METHODS) + "]", "engine.dtype=float64")
@@ -156,7 +156,7 @@ def test_timing_repeats_keep_the_median_repeat_and_change_no_count(tmp_path):
     drafter state: every token and counter, and every later draft, equals the once-timed run's
     (the fixed policy reads no clock), and the kept seconds are the median of the three."""
     from bench.harness.cli import method_specs
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
     cfg = cfg_for("method=[" + ",".join(RESUME_METHODS) + "]", "engine.dtype=float64")
     config = {"trace": {"name": trace.name}, "engine": {"name": "torch_ref"}, "methods": RESUME_METHODS}
@@ -179,7 +179,7 @@ def test_interleaved_timing_changes_no_token_or_count_and_resumes(tmp_path, monk
     when killed after every unit and resumed; and the iterations really alternate between the
     methods' engines."""
     from bench.harness.cli import method_specs
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     from bench.harness.replay import ReplayInterrupted
     trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
     cfg = cfg_for("method=[" + ",".join(RESUME_METHODS) + "]", "engine.dtype=float64")
@@ -234,7 +234,7 @@ def test_interleave_needs_an_engine_that_runs_one_iteration_at_a_time():
 
 
 def test_resume_after_a_real_kill_mid_unit_equals_the_uninterrupted_run(tmp_path):
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     ensure_trace("countdown-tiny", tiny=True)  # recorded before the clock starts
     common = ["method=[baseline,tree_cache,hybrid,tree_cache_runahead]", "engine.dtype=float64",
               "max_steps=5", f"results_root={tmp_path}"]
@@ -362,7 +362,7 @@ def test_timing_repeats_start_every_repeat_from_the_same_policy_evidence(tmp_pat
     timing repeat of a unit must start from the evidence carried into the step, not from the
     repeat before it, and the kept repeat's evidence is what the next step starts from."""
     from bench.harness.cli import method_specs
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     from test_latency import grid_table
     trace = Trace.load(ensure_trace("countdown-tiny", tiny=True))
     cfg = cfg_for("method=[baseline,tree_cache]", "engine.dtype=float64")

@@ -65,7 +65,7 @@ def drafter_cost(trace_name: str = "countdown-search", steps: int = 12, backend:
     ``methods`` keeps only those configs (default: every exact method without run-ahead)."""
     from omegaconf import OmegaConf
     import hydra.utils
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     from bench.harness.replay import feed_recorded, step_requests
     from bench.traces.format import Trace
     trace = Trace.load(ensure_trace(trace_name, tiny=trace_name.endswith("tiny")))

@@ -60,7 +60,7 @@ def _run(args: argparse.Namespace) -> None:
             from bench.engines.torch.engine import TorchRefEngine
             ckpt = args.checkpoint
             if ckpt is None:
-                from bench.traces.record import ensure_trace
+                from bench.traces.record.cache import ensure_trace
                 from bench.traces.format import Trace
                 trace = Trace.load(ensure_trace("countdown-search"))
                 ckpt = trace.checkpoint(trace.step_numbers[-1])

@@ -24,7 +24,7 @@ def load_trace(cfg: DictConfig):
     from bench.traces.format import Trace
     if cfg.trace.get("path"):
         return Trace.load(hydra.utils.to_absolute_path(str(cfg.trace.path)))
-    from bench.traces.record import ensure_trace
+    from bench.traces.record.cache import ensure_trace
     return Trace.load(ensure_trace(cfg.trace.name, tiny=bool(cfg.trace.get("tiny", False)),
                                    progress=bool(cfg.progress)))
 

@@ -1,6 +1,6 @@
 """Find or record a named trace in the local cache, atomically, so tests and benchmarks share one.
 
-    python -c "from bench.traces.record import ensure_trace; print(ensure_trace('countdown-tiny', tiny=True))"
+    python -c "from bench.traces.record.cache import ensure_trace; print(ensure_trace('countdown-tiny', tiny=True))"
 
 The cache root is ``$SPECROLLOUT_CACHE`` (default ``~/.cache/specrollout``); named traces live in
 ``<root>/traces/<name>``. A trace is recorded into a temporary sibling dir and renamed into place
