@@ -222,20 +222,23 @@ def verify_batch(logits: torch.Tensor, drafts: list[Draft], keys: torch.Tensor, 
 
 def verify_nodes(logits_at: LogitsAt, vocab: int, drafts: list[Draft], keys: torch.Tensor, out_lens: list[int],
                  sampling: SamplingConfig, verify: VerifyConfig, window: int | None = None,
-                 device: torch.device | str = "cpu") -> list[Verdict]:
+                 device: torch.device | str = "cpu", reads_at: ReadsAt | None = None) -> list[Verdict]:
     """Verify the drafts of a batch of rows, reading logits only where the descent needs them.
 
     ``logits_at(rows, nodes)`` (two [n] int64 CPU tensors: row b, local node j) returns the [n, V]
     logits of those (row, node) pairs, on any device, in any float dtype; the torch_ref engine
     applies the output layer to the gathered hidden states of exactly these nodes. It is called
     once per chunk (``CHUNK_BYTES[device type]``) of each window round (``WINDOW``; ``window``
-    overrides it).
+    overrides it). ``reads_at`` instead of logits: the engine read the nodes itself (with
+    :func:`read_logits`, where its logits are) and returns their :class:`NodeRead`.
     Softmax, cuts and logprobs are computed in fp32 (float64 logits stay float64), the CDF and the
     margins in float64, so the verdicts do not depend on the chunking or the windows: the same
     tokens, logprobs and margins as verifying every node at once.
     """
     first = WINDOW if window is None else window
     chunk = max(1, CHUNK_BYTES.get(torch.device(device).type, CHUNK_BYTES["cpu"]) // (4 * vocab))
+    if reads_at is not None:  # reads are a few numbers a node: a window round is one request to the engine
+        chunk = 1 << 62
     greedy = verify.rule == "greedy" or sampling.greedy
     keys_l = [int(k) for k in keys.tolist()]
     rows = []
@@ -261,58 +264,94 @@ def verify_nodes(logits_at: LogitsAt, vocab: int, drafts: list[Draft], keys: tor
             stop = min(len(r.sampled), r.start + r.window)
             todo += [(b, j) for j in range(r.start, stop)]
             r.end = stop
-        _read(todo, rows, logits_at, vocab, keys_l, out_lens, sampling, greedy, chunk)
+        _read(todo, rows, logits_at, reads_at, keys_l, out_lens, sampling, greedy, chunk)
         live = [b for b in live if not _descend(rows[b], verify, greedy)]
         for b in live:
             rows[b].window = min(2 * rows[b].window, max(MAX_WINDOW, first))
     return [r.verdict for r in rows]
 
 
-def _read(todo: list[tuple[int, int]], rows: list[RowVerification], logits_at: LogitsAt, vocab: int, keys: list[int],
-          out_lens: list[int], sampling: SamplingConfig, greedy: bool, chunk: int) -> None:
-    """Read the logits of the (row, node) pairs ``todo`` chunk by chunk and record, per node, the
-    sampled token and its logprob and margin, and each child's draft token's logprob and margin."""
+@dataclass
+class NodeRead:
+    """What one node's logits decide: the token sampled there, its logprob and margin, and the
+    logprob and margin of each probe token (the draft tokens of the node's children, in order)."""
+
+    sampled: int
+    lp: float
+    mg: float
+    probe_lp: list[float]
+    probe_mg: list[float]
+
+
+# reads_at(pairs): the NodeRead of each (row, local node) pair, in order; an engine that computes
+# them where its logits are (vLLM's worker, ``bench.engines.vllm.node_reads``) passes one to verify_nodes
+ReadsAt = Callable[[list[tuple[int, int]]], list[NodeRead]]
+
+
+def read_logits(logits: torch.Tensor, keys: list[int], positions: list[int], probes: list[list[int]],
+                sampling: SamplingConfig, greedy: bool) -> list[NodeRead]:
+    """The rule's reading of n nodes' logits [n, V]: the coupled sample of each (its rollout key,
+    its output position), its logprob (log_softmax(logits / T)) and margin, and those of each
+    node's probe tokens. fp16/bf16 logits are read in fp32."""
+    n = len(keys)
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    dev = logits.device
+    pos = torch.tensor([[p] for p in positions], dtype=torch.int64)
+    u = uniforms(torch.tensor(keys, dtype=torch.int64), pos, STREAM_SAMPLE)[:, 0].to(dev)
+    kid_at = [i for i, ps in enumerate(probes) for _ in ps]
+    kid_tok = [t for ps in probes for t in ps]
+    scaled = scaled_logits(logits, sampling)
+    lse = torch.logsumexp(scaled, dim=-1)
+    if greedy:
+        sampled, cdf, cut = logits.argmax(-1), None, None
+        lse64 = torch.logsumexp(logits.double(), dim=-1)
+    else:
+        probs, cut = processed_from_scaled(scaled, sampling)
+        cdf = probs.to(torch.float64)  # the CDF in float64, in place: one vocabulary-wide copy at a time
+        del probs
+        cdf.cumsum_(dim=-1)
+        sampled, lse64 = sample_from_cdf(cdf, u), None
+    at = torch.cat([torch.arange(n, device=dev), torch.tensor(kid_at, dtype=torch.int64, device=dev)])
+    toks = torch.cat([sampled, torch.tensor(kid_tok, dtype=torch.int64, device=dev)])
+    lp = (scaled[at, toks] - lse[at]).tolist()
+    mg = token_margins(logits, cdf, cut, u, at, toks, lse64).tolist()
+    del logits, scaled, cdf
+    out, k = [], n
+    for i, (y, ps) in enumerate(zip(sampled.tolist(), probes)):
+        out.append(NodeRead(y, lp[i], mg[i], lp[k:k + len(ps)], mg[k:k + len(ps)]))
+        k += len(ps)
+    return out
+
+
+def node_probes(draft: Draft) -> list[list[int]]:
+    """Each local node's probe tokens: the draft tokens of its children, in node order."""
+    probes: list[list[int]] = [[] for _ in range(len(draft) + 1)]
+    for i, (tok, p) in enumerate(zip(draft.token_ids, draft.parent_list())):
+        probes[p + 1].append(tok)
+    return probes
+
+
+def _read(todo: list[tuple[int, int]], rows: list[RowVerification], logits_at: LogitsAt | None,
+          reads_at: ReadsAt | None, keys: list[int], out_lens: list[int], sampling: SamplingConfig, greedy: bool,
+          chunk: int) -> None:
+    """Read the (row, node) pairs ``todo`` chunk by chunk and record, per node, the sampled token
+    and its logprob and margin, and each child's draft token's logprob and margin."""
     for s in range(0, len(todo), chunk):
         part = todo[s:s + chunk]
-        b_idx = torch.tensor([b for b, _ in part], dtype=torch.int64)
-        j_idx = torch.tensor([j for _, j in part], dtype=torch.int64)
-        pos = torch.tensor([[out_lens[b] + rows[b].depths[j]] for b, j in part], dtype=torch.int64)
-        u = uniforms(torch.tensor([keys[b] for b, _ in part], dtype=torch.int64), pos, STREAM_SAMPLE)[:, 0]
-        # the draft tokens of every child of a node in this chunk, read at that node
-        kid_at, kid_tok, kids = [], [], []
-        for i, (b, j) in enumerate(part):
-            r = rows[b]
-            for c in r.children[j]:
-                kid_at.append(i)
-                kid_tok.append(r.draft.token_ids[c - 1])
-                kids.append((b, c))
-        logits = logits_at(b_idx, j_idx)
-        if logits.dtype not in (torch.float32, torch.float64):
-            logits = logits.float()
-        dev = logits.device
-        u = u.to(dev)
-        scaled = scaled_logits(logits, sampling)
-        lse = torch.logsumexp(scaled, dim=-1)
-        if greedy:
-            sampled, cdf, cut = logits.argmax(-1), None, None
-            lse64 = torch.logsumexp(logits.double(), dim=-1)
+        if reads_at is not None:
+            reads = reads_at(part)
         else:
-            probs, cut = processed_from_scaled(scaled, sampling)
-            cdf = probs.to(torch.float64)  # the CDF in float64, in place: one vocabulary-wide copy at a time
-            del probs
-            cdf.cumsum_(dim=-1)
-            sampled, lse64 = sample_from_cdf(cdf, u), None
-        at = torch.cat([torch.arange(len(part), device=dev), torch.tensor(kid_at, dtype=torch.int64, device=dev)])
-        toks = torch.cat([sampled, torch.tensor(kid_tok, dtype=torch.int64, device=dev)])
-        lp = (scaled[at, toks] - lse[at]).tolist()
-        mg = token_margins(logits, cdf, cut, u, at, toks, lse64).tolist()
-        del logits, scaled, cdf
-        n = len(part)
-        for i, ((b, j), y) in enumerate(zip(part, sampled.tolist())):
+            b_idx = torch.tensor([b for b, _ in part], dtype=torch.int64)
+            j_idx = torch.tensor([j for _, j in part], dtype=torch.int64)
+            probes = [[rows[b].draft.token_ids[c - 1] for c in rows[b].children[j]] for b, j in part]
+            reads = read_logits(logits_at(b_idx, j_idx), [keys[b] for b, _ in part],
+                                [out_lens[b] + rows[b].depths[j] for b, j in part], probes, sampling, greedy)
+        for (b, j), rd in zip(part, reads):
             r = rows[b]
-            r.sampled[j], r.lp[j], r.mg[j] = y, lp[i], mg[i]
-        for i, (b, c) in enumerate(kids):
-            rows[b].lp_in[c], rows[b].mg_in[c] = lp[n + i], mg[n + i]
+            r.sampled[j], r.lp[j], r.mg[j] = rd.sampled, rd.lp, rd.mg
+            for c, lp, mg in zip(r.children[j], rd.probe_lp, rd.probe_mg):
+                r.lp_in[c], r.mg_in[c] = lp, mg
 
 
 def _descend(r: RowVerification, verify: VerifyConfig, greedy: bool) -> bool:
