@@ -226,14 +226,15 @@ def spec_config(llm):
 
 
 def test_the_baseline_runs_on_an_llm_with_no_speculative_config(engine, trace):
-    sampling = SamplingConfig(max_new_tokens=trace.sampling.max_new_tokens)
+    # greedy: tree methods on vLLM's own loop (at T > 0 on CPU the suite's scheduler serves them)
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=trace.sampling.max_new_tokens)
     assert spec_config(engine.llm_for(Baseline())) is None
     for name, want in (("baseline", "plain"), ("prefix_reuse", "plain"), ("tree_cache", "speculative")):
         make, verify = method(name)
         drafter = make()
         assert engine.engine_for(drafter) == want, name
         replay(engine, trace, drafter, verify, sampling, WARM[-1:], 2)
-        assert engine.last_engine == want, name
+        assert engine.last_engine == want and engine.last_path == "vllm", name
         assert (spec_config(engine.llm_for(drafter)) is None) == (want == "plain"), name
     assert spec_config(engine.llm).method == "custom_class"
 
@@ -392,7 +393,80 @@ def test_the_drafter_hears_the_same_calls_as_on_torch_ref(engine, trace):
     engine.load(trace.checkpoint(step))
     on_vllm.begin_step(step)
     got = engine.rollout(requests, sampling, on_vllm, VerifyConfig())
-    assert engine.last_engine == "speculative" and sum(r.num_draft_tokens for r in got) > 0
+    assert engine.last_path == "scheduler" and sum(r.num_draft_tokens for r in got) > 0
     if [r.token_ids for r in got] != [r.token_ids for r in expected]:
         pytest.skip("a float32 near-tie flipped a token: the call sequences cannot be compared")
     assert on_vllm.calls == on_ref.calls
+
+
+LOG_COLUMNS = ("rows", "live_rows", "run_ahead_rows", "query_tokens", "block_tokens", "context_sum", "context_max",
+               "draft_tokens", "accepted_tokens", "draft_budget")
+
+
+@pytest.mark.parametrize("name", ["tree_cache", "hybrid", "das"])
+def test_the_python_verified_path_is_the_scheduler_with_torch_refs_log(engine, trace, name):
+    """On vLLM's Python-verified path the loop is the suite's scheduler: same tokens (coupled
+    sampling, float32; a near-tie aside), same counters and the same iteration log as torch_ref,
+    and no request ever asks vLLM for a full-vocabulary distribution (prompt_logprobs=-1 or
+    logprobs=-1): the rule is read on the worker."""
+    import copy
+    from bench.engines.torch.engine import TorchRefEngine
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=trace.sampling.max_new_tokens)
+    make, verify = method(name)
+    cache = make()
+    replay(engine, trace, cache, verify, sampling, WARM[:-1], 4)
+    step = WARM[-1]
+    requests = step_requests(trace, step, 4)
+    ref = TorchRefEngine(dtype="float32")
+    ref.load(trace.checkpoint(step))
+    on_ref, on_vllm = copy.deepcopy(cache), copy.deepcopy(cache)
+    on_ref.begin_step(step)
+    expected = ref.rollout(requests, sampling, on_ref, verify)
+    engine.load(trace.checkpoint(step))
+    on_vllm.begin_step(step)
+    sent = []
+    run = engine._run
+
+    def spy(llm, items, *args, **kwargs):
+        sent.extend(params for _, _, params in items)
+        return run(llm, items, *args, **kwargs)
+
+    engine._run = spy
+    try:
+        got = engine.rollout(requests, sampling, on_vllm, verify)
+    finally:
+        del engine._run
+    assert sent and not [p for p in sent if p.prompt_logprobs == -1 or p.logprobs == -1]
+    assert sum(r.num_draft_tokens for r in got) > 0 and engine.last_path == "scheduler"
+    if [r.token_ids for r in got] != [r.token_ids for r in expected]:
+        pytest.skip("a float32 near-tie flipped a token: the logs cannot be compared")
+    for a, b in zip(got, expected):
+        assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens, a.num_forward_passes) == \
+            (b.num_drafts, b.num_draft_tokens, b.num_accepted_tokens, b.num_forward_passes)
+    assert [{c: row[c] for c in LOG_COLUMNS} for row in engine.last_iteration_log] == \
+        [{c: row[c] for c in LOG_COLUMNS} for row in ref.last_iteration_log]
+
+
+def test_exact_prefix_scoring_at_t1_is_read_on_the_worker(engine, trace):
+    """SPEC-RL's exact rule at T=1 needs the coupled sample at every draft position: read on vLLM's
+    worker by node requests, no full-vocabulary logprobs requested, and the accepted prefix and the
+    token after it (the coupled sample at the first rejection) equal torch_ref's."""
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=trace.sampling.max_new_tokens)
+    sent = []
+    run = engine._run
+
+    def spy(llm, items, *args, **kwargs):
+        sent.extend(params for _, _, params in items)
+        return run(llm, items, *args, **kwargs)
+
+    engine._run = spy
+    try:
+        expected, got = _prefix_pair(engine, trace, "prefix_reuse_exact", sampling)
+    finally:
+        del engine._run
+    assert engine.last_scoring["scoring_logprobs"] == "full"
+    assert sent and not [p for p in sent if p.prompt_logprobs == -1 or p.logprobs == -1]
+    same = sum(g.num_accepted_tokens == e.num_accepted_tokens and g.num_draft_tokens == e.num_draft_tokens
+               and g.token_ids[:g.num_accepted_tokens + 1] == e.token_ids[:e.num_accepted_tokens + 1]
+               for g, e in zip(got, expected))
+    assert same >= len(got) - 1, f"only {same}/{len(got)} accepted prefixes match torch_ref"

