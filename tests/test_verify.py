@@ -208,3 +208,36 @@ def test_windowed_verification_gives_the_unwindowed_verdict(sampling, monkeypatc
             # windows double from ``window``: a row reads at most about twice the nodes its verdict needs
             assert sum(read) <= sum(min(1 + len(d), 2 * len(v.path) + window) for d, v in zip(drafts, whole))
     assert longest > 10  # the cases do run past the small windows
+
+
+@pytest.mark.parametrize("sampling", [T1, SamplingConfig(top_p=0.8, temperature=0.7), SamplingConfig(temperature=0)],
+                         ids=["t1", "top_p", "greedy"])
+def test_reads_computed_elsewhere_give_the_verdict_of_logits(sampling):
+    """An engine that reads each node where its logits are (vLLM's worker: ``read_logits`` over one
+    node at a time, its probe tokens the children's draft tokens) and hands the reads to
+    ``verify_nodes(reads_at=...)`` gets the verdict of verifying the logits here: same tokens,
+    path, logprobs, margins, chains and trees, every rule."""
+    from bench.core.verify import node_depths, node_probes, read_logits, verify_nodes
+    rng = random.Random(5)
+    rules = ["exact", "ratio"] + (["greedy"] if sampling.greedy else [])
+    for case in range(30):
+        rule = rules[case % len(rules)]
+        batch = [_accepting_case(rng, 30, rule != "ratio" and case % 2 == 1, rule == "ratio", 20) for _ in range(3)]
+        drafts = [d for _, d in batch]
+        keys = [rollout_seed(case, 1, "r", b) for b in range(3)]
+        out_lens = [case, 0, 3]
+        verify = VerifyConfig(rule, lenience=1.3 if rule == "ratio" else 1.0)
+        greedy = rule == "greedy" or sampling.greedy
+        expected = verify_nodes(lambda rows, nodes: torch.stack([batch[b][0][0, j] for b, j in
+                                                                 zip(rows.tolist(), nodes.tolist())]),
+                                30, drafts, torch.tensor(keys), out_lens, sampling, verify)
+        asked = []
+
+        def reads_at(pairs):
+            asked.extend(pairs)
+            return [read_logits(batch[b][0][0, j][None], [keys[b]], [out_lens[b] + node_depths(drafts[b])[j]],
+                                [node_probes(drafts[b])[j]], sampling, greedy)[0] for b, j in pairs]
+        got = verify_nodes(None, 30, drafts, torch.tensor(keys), out_lens, sampling, verify, reads_at=reads_at)
+        assert asked and len(set(asked)) == len(asked)  # each node read once
+        assert [(v.emitted, v.path, v.logprobs, v.margins) for v in got] == \
+            [(v.emitted, v.path, v.logprobs, v.margins) for v in expected]
