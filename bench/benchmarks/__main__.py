@@ -11,6 +11,7 @@
     python -m bench.benchmarks policies        # each method's speedup under every speculation policy
     python -m bench.benchmarks verify-scale    # the verifier at V=151,936, B=128, 4,096-token chains
     python -m bench.benchmarks memory          # one torch_ref pass at Qwen2.5-0.5B's shapes: peak memory
+    python -m bench.benchmarks vllm-scoring    # vLLM's Python-verified path at V=151,936: memory, s/iteration
     python -m bench.benchmarks bias            # the lenient rule's bias on the bundled trace
     python -m bench.benchmarks latency profile|predict   # this machine's latency table; predictions
     python -m bench.benchmarks gpu-check       # the GPU check (one prepared run on a lent GPU)
@@ -37,6 +38,7 @@ BENCHMARKS = {
     "policies": ("policy", "main"),
     "verify-scale": ("verify_scale", "main"),
     "memory": ("memory", "main"),
+    "vllm-scoring": ("vllm_scoring", "main"),
     "bias": ("bias", "main"),
     "latency": ("latency", "main"),
     "gpu-check": ("gpu_check", "main"),
