@@ -382,6 +382,82 @@ def test_checkpoint_swap_changes_scores_and_back(sgl, trace):
         assert a == pytest.approx(b.logprobs, abs=1e-4)
 
 
+# ---------------------------------------------------------------- tree methods on the suite's scheduler
+
+LOG_COLUMNS = ("rows", "live_rows", "query_tokens", "block_tokens", "context_sum", "draft_tokens", "accepted_tokens")
+
+
+def _method(name):
+    from pathlib import Path
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from bench.harness.cli import CONF_DIR
+    cfg = OmegaConf.load(Path(CONF_DIR) / "method" / f"{name}.yaml")
+    return instantiate(cfg.drafter), VerifyConfig(**OmegaConf.to_container(cfg.verify, resolve=True))
+
+
+@needs_sglang
+@pytest.mark.parametrize("name", ["tree_cache", "das", "tree_cache_runahead"])
+def test_tree_methods_run_on_the_scheduler_with_torch_refs_tokens_and_log(sgl, trace, name):
+    """Without NGRAM a method that drafts while decoding runs through the suite's one scheduler with
+    SGLang as its backend (every draft node a one-token request read in SGLang's scheduler): the
+    same tokens (coupled, float32; a near-tie aside), counters and iteration log as torch_ref."""
+    import copy
+    from bench.engines.torch.engine import TorchRefEngine
+    from bench.harness.replay import RunAheadQueue, run_ahead_requests
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=16)
+    cache, verify = _method(name)
+    steps = trace.step_numbers[:3]
+    for s in steps[:-1]:
+        sgl.load(trace.checkpoint(s))
+        cache.begin_step(s)
+        sgl.rollout(reqs(trace, s, 4), sampling, cache, verify)
+    step, nxt = steps[-1], trace.step_numbers[3]
+    ahead = (lambda: RunAheadQueue(run_ahead_requests(trace, step, nxt, 4))) if name.endswith("runahead") else None
+    requests = reqs(trace, step, 4)
+    ref = TorchRefEngine(dtype="float32")
+    ref.load(trace.checkpoint(step))
+    on_ref, on_sgl = copy.deepcopy(cache), copy.deepcopy(cache)
+    on_ref.begin_step(step)
+    expected = ref.rollout(requests, sampling, on_ref, verify, ahead() if ahead else None)
+    sgl.load(trace.checkpoint(step))
+    on_sgl.begin_step(step)
+    got, _ = sgl.call("rollout", requests, sampling, on_sgl, verify, ahead() if ahead else None)
+    assert sgl.call("__getattribute__", "last_path") == "scheduler"
+    assert sum(r.num_draft_tokens for r in got) > 0
+    if ahead:
+        assert any(r.run_ahead for r in got)
+    same = [a for a, b in zip(got, expected) if a.token_ids == b.token_ids]
+    assert len(same) >= len(got) - 1, "more than one rollout left torch_ref's tokens: not a float32 near-tie"
+    for a, b in zip(got, expected):
+        if a.token_ids == b.token_ids:
+            assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens, a.num_forward_passes) == \
+                (b.num_drafts, b.num_draft_tokens, b.num_accepted_tokens, b.num_forward_passes)
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    if len(same) == len(got):  # a near-tie moves every later pass of the call: compare logs only without one
+        log = sgl.call("__getattribute__", "last_iteration_log")
+        assert [{c: r[c] for c in LOG_COLUMNS} for r in log] == \
+            [{c: r[c] for c in LOG_COLUMNS} for r in ref.last_iteration_log]
+
+
+@needs_sglang
+def test_exact_prefix_scoring_at_t1_asks_for_no_full_distribution(sgl, trace):
+    """SPEC-RL's exact rule at T=1 is read in SGLang's scheduler by node requests: the
+    full-distribution request (``_score_distributions``, top_logprobs_num=V) is never made, and the
+    accepted prefix and the token after it still equal torch_ref's."""
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=16)
+    sgl.call("__setattr__", "_score_distributions", None)  # calling it now fails the rollout
+    try:
+        expected, got, scoring = _ref_pair(sgl, trace, sampling, VerifyConfig("exact"))
+    finally:
+        sgl.call("__delattr__", "_score_distributions")
+    assert scoring["scoring_logprobs"] == "full"
+    same = sum(g.num_accepted_tokens == e.num_accepted_tokens
+               and g.token_ids[:g.num_accepted_tokens + 1] == e.token_ids[:e.num_accepted_tokens + 1]
+               for g, e in zip(got, expected))
+    assert same >= len(got) - 1, f"only {same}/{len(got)} accepted prefixes match torch_ref"
+
+
 # ---------------------------------------------------------------- tree methods (NGRAM: GPU only)
 
 @needs_sglang

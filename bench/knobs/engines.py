@@ -65,7 +65,8 @@ ENGINES: dict[str, tuple[Knob, ...]] = {
         Knob("random_seed", "int", 0, "SGLang's sampler seed", lo=0),
         Knob("deterministic", "bool", False, "per-rollout sampling_seed (enable_deterministic_inference; GPU "
              "attention backends only)"),
-        Knob("speculative_algorithm", "str", None, "NGRAM: tree methods via SGLang's n-gram trie (GPU only)",
+        Knob("speculative_algorithm", "str", None, "null: tree methods on the suite's scheduler; NGRAM: via SGLang's n-gram trie "
+             "(GPU only)",
              choices=("NGRAM",), nullable=True),
         Knob("speculative_num_draft_tokens", "int", 24, "NGRAM draft tokens per step (= the tree methods' "
              "max_spec_tokens)", lo=1),

@@ -3,12 +3,12 @@
     python -m bench.harness.cli engine=sglang trace=countdown_tiny 'method=[baseline,prefix_reuse,prefix_reuse_exact]'
     python -m pytest -m sglang tests/test_engine_sglang.py   (CPU: in the rig venv, rigs/sglang_cpu/)
 
-Three paths, chosen by the drafter (``bench.core.drafting.drafter_mode``), each on the engine
+Four paths, chosen by the drafter (``bench.core.drafting.drafter_mode``), each on the engine
 configuration it needs: baseline and prefix reuse (``engine.plain_engine_for``, default both) on
-an ``sglang.Engine`` with NO speculative settings; tree methods on one with
-``speculative_algorithm=NGRAM`` (GPU only; with NGRAM set both engines run, each with
-``mem_fraction_static`` of the device, 0.4 when unset). ``last_engine`` names the one that served
-the last call.
+an ``sglang.Engine`` with NO speculative settings; tree methods on that engine through the
+suite's scheduler, or, with ``speculative_algorithm=NGRAM``, on an NGRAM engine (GPU only; with
+NGRAM set both engines run, each with ``mem_fraction_static`` of the device, 0.4 when unset).
+``last_engine`` names the engine that served the last call, ``last_path`` whose loop ran it.
 - baseline: ``engine.generate(input_ids=...)`` with return_logprob; SGLang samples. Each request
   carries its rollout key as ``sampling_seed``; SGLang honours it only with
   ``deterministic: true`` (enable_deterministic_inference, GPU attention backends), otherwise
@@ -19,12 +19,16 @@ the last call.
   samples the rest of each unfinished row. The scoring request is one of the row's forward
   passes (torch_ref verifies the same draft inside its prefill); its cost is labelled in the
   rows' ``num_scoring_passes`` / ``num_scoring_tokens`` and per call in ``last_scoring``.
-- any other drafter: SGLang's own NGRAM speculation (GPU only), fed with every earlier rollout
-  (prompt + output) through its external corpus. This is the engine-native APPROXIMATION of the
+- any other drafter, without NGRAM (the default, and the only choice on CPU): the suite's one
+  scheduler with SGLang as its backend (``bench.engines.sglang.node_reads``): every draft node a
+  one-token request whose rule reading SGLang's scheduler computes with a custom logit processor;
+  the same calls, counters, tokens (coupled) and iteration log as torch_ref, run-ahead included.
+- any other drafter with ``speculative_algorithm=NGRAM``: SGLang's own NGRAM speculation (GPU
+  only), fed with every earlier rollout (prompt + output) through its external corpus. This is the engine-native APPROXIMATION of the
   tree methods: one global trie across prompts (not per prompt), SGLang's drafts and its tree
   verification rather than the drafter's; the drafter is still told start/observe/finish so its
   statistics stay meaningful, and the counters come from SGLang's per-request meta_info.
-``run_ahead`` is not supported (SGLang owns its batch).
+``run_ahead`` runs on the scheduled path only (elsewhere SGLang owns its batch).
 
 Cut and counters: every emitted token goes through ``bench.core.drafting.settle`` / ``cut_emitted``
 (the stop/room cut of every engine) into a ``DraftCounters``. Logprobs: SGLang's output logprobs
@@ -35,6 +39,7 @@ when its call returned.
 
 The package's modules: ``adapter`` (this one: the engine, its checkpoints, the call's phases and
 SGLang's continuation), ``scoring`` (the prefix path's scoring requests and the rule's verdicts),
+``node_reads`` (node requests read in SGLang's scheduler: the scheduled path and exact scoring),
 ``partial`` (a rollout being assembled).
 """
 from __future__ import annotations
@@ -52,8 +57,11 @@ from bench.core.errors import UserError
 from bench.core.verify import VerifyConfig, check_rule
 from bench.core.engine_protocol import Request, RunAheadSource, request_key64
 from bench.engines.checkpoint import CheckpointError, CheckpointInfo, inspect_checkpoint
+from bench.engines.sglang.node_reads import node_backend
 from bench.engines.sglang.partial import PartialRollout
 from bench.engines.sglang.scoring import PrefixScoring
+from bench.spec.policy import SpecPolicy
+from bench.spec.scheduler import Scheduler
 
 INSTALL_HINT = ("engine=sglang needs the sglang package in the running environment: on a GPU machine "
                 "pip install -e '.[sglang]' in its own venv; on CPU build the test rig with "
@@ -92,10 +100,11 @@ class SGLangEngine(PrefixScoring):
         plain_engine_for = list(plain_engine_for or [])
         if any(m not in ("baseline", "prefix") for m in plain_engine_for):
             raise ValueError(f"engine.plain_engine_for lists drafter modes from ['baseline', 'prefix'] (a method "
-                             f"that drafts while decoding needs NGRAM), got {plain_engine_for!r}")
+                             f"that drafts while decoding runs on the scheduler or NGRAM), got {plain_engine_for!r}")
         self.device, self.dtype = device, dtype
         self.kwargs = dict(device=device, dtype=dtype, random_seed=random_seed, log_level=log_level,
-                           enable_deterministic_inference=deterministic, skip_tokenizer_init=True)
+                           enable_deterministic_inference=deterministic, skip_tokenizer_init=True,
+                           enable_custom_logit_processor=True)  # node requests (bench.engines.sglang.node_reads)
         if attention_backend:
             self.kwargs["attention_backend"] = attention_backend
         two = speculative_algorithm == "NGRAM" and bool(plain_engine_for)  # a plain and an NGRAM engine
@@ -112,6 +121,9 @@ class SGLangEngine(PrefixScoring):
         self.engine = None  # the engine with no speculative settings (None if every mode runs on NGRAM)
         self.spec_engine = None  # the NGRAM engine
         self.last_engine = ""  # "plain" or "speculative": the engine that served the last call
+        self.last_path = ""  # "scheduler" (the suite's loop, node requests verified here) or "sglang" (SGLang's)
+        self._calls = 0
+        self.policy = SpecPolicy("fixed")  # the scheduler's policy on the scheduled path
         self.last_scoring: dict = {}
         self.info: CheckpointInfo | None = None
         self._arch_key: str | None = None
@@ -181,7 +193,8 @@ class SGLangEngine(PrefixScoring):
     # ------------------------------------------------------------------ rollouts
     def rollout(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
                 verify: VerifyConfig, run_ahead: RunAheadSource | None = None) -> list[Rollout]:
-        """Every request's rollout; ``run_ahead`` is not supported (SGLang owns the batch)."""
+        """Every request's rollout; ``run_ahead`` runs on the scheduled path only (on SGLang's own
+        paths SGLang owns the batch, and NGRAM's approximation has no run-ahead rows)."""
         if (self.engine is None and self.spec_engine is None) or self.info is None:
             raise RuntimeError("SGLangEngine.rollout called before load(checkpoint)")
         check_rule(verify, sampling)
@@ -190,11 +203,11 @@ class SGLangEngine(PrefixScoring):
         for r in requests:
             self._check_prompt(r, sampling)
         mode = drafter_mode(drafter)
+        self._calls += 1
         if mode == "tree" and self.speculative != "NGRAM":
-            raise ValueError(f"method {getattr(drafter, 'name', type(drafter).__name__)!r} drafts while decoding: on "
-                             f"SGLang that runs as its NGRAM speculation (a GPU feature): set "
-                             f"engine.speculative_algorithm=NGRAM, or use engine=torch_ref")
-        self.last_engine = self.engine_for(drafter)
+            return self._scheduled(requests, sampling, drafter, verify, run_ahead)
+        self.last_engine, self.last_path = self.engine_for(drafter), "sglang"
+
         engine = self.engine if self.last_engine == "plain" else self.spec_engine
         t0 = time.perf_counter()
         rows = [PartialRollout(r, request_key64(sampling.seed, r)) for r in requests]
@@ -218,6 +231,31 @@ class SGLangEngine(PrefixScoring):
                              "scoring_passes": sum(r.counters.num_scoring_passes for r in rows),
                              "scoring_tokens": sum(r.counters.num_scoring_tokens for r in rows)}
         return out
+
+    def _scheduled(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter, verify: VerifyConfig,
+                   run_ahead: RunAheadSource | None) -> list[Rollout]:
+        """A method that drafts while decoding, without NGRAM: the suite's one scheduler
+        (``bench.spec.scheduler``) with SGLang as its backend (``bench.engines.sglang.node_reads``):
+        the calls, counters and iteration log of torch_ref, the coupled rule on SGLang's logits."""
+        if self.engine is None:
+            raise ValueError("the scheduled path needs SGLang's engine with no speculative settings: "
+                             "keep engine.plain_engine_for non-empty")
+        self.last_engine, self.last_path = "plain", "scheduler"
+        backend = node_backend(self, self._calls)
+        scheduler = Scheduler(backend, self.policy, len(requests))
+        steps = scheduler.run(requests, sampling, drafter, verify, run_ahead)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                out = done.value
+                break
+        self.last_iterations, self.last_iteration_log = scheduler.iterations, scheduler.iteration_log
+        self.last_scoring = {"engine": "plain", "scoring_logprobs": None, "scoring_passes": 0, "scoring_tokens": 0}
+        return out
+
+    def _fits(self, r: Request, sampling: SamplingConfig) -> bool:
+        return len(r.prompt_token_ids) + sampling.max_new_tokens <= self.info.max_context
 
     def _check_prompt(self, r: Request, sampling: SamplingConfig) -> None:
         if not r.prompt_token_ids:

@@ -14,12 +14,13 @@ the first draft token's), asking for what the rule needs (``bench.core.drafting.
   the token at the first rejection is sampled by the continuation (a plain sample of the
   target, as the rule says);
 - greedy: the top-1 at each draft position (``top_logprobs_num=1``) and the greedy token after;
-- ``exact`` at temperature > 0 (and ratio at T != 1): the full distribution
-  (``top_logprobs_num=V``, ``max_new_tokens=0`` and one filler token for the position after
-  the draft), verified by ``bench.core.verify``: exact rejection sampling with the suite's coupled
-  uniforms, token-coupled with torch_ref in the draft region; approximate only in the last
-  bits (prefill vs decode float error, top-p/top-k boundary conventions of bench.core.sampling vs
-  SGLang's sampler). V logprobs per draft position: heavy for 150k-token vocabularies.
+- ``exact`` at temperature > 0 (and ratio at T != 1): the coupled rule needs the whole
+  distribution at every draft position, so it is read inside SGLang's scheduler by node requests
+  (``bench.engines.sglang.node_reads``: nothing vocabulary-wide comes back), token-coupled with
+  torch_ref in the draft region; approximate only in the last bits (SGLang's float error). Only
+  on the NGRAM engine (``plain_engine_for: []``), which takes no custom processor here, is the
+  full distribution requested (``top_logprobs_num=V``, ``max_new_tokens=0`` and one filler token
+  for the position after the draft): V logprobs per draft position, heavy for 150k vocabularies.
 """
 from __future__ import annotations
 
@@ -59,7 +60,14 @@ class PrefixScoring:
         greedy = sampling.greedy or verify.rule == "greedy"
         mode = scoring_logprobs(greedy, verify.rule, sampling.temperature)
         prompts = [row.request.prompt_token_ids for row, _ in scored]
-        if mode == "full":
+        if mode == "full" and engine is self.engine:  # the rule read in SGLang's scheduler (node_reads)
+            from bench.engines.sglang.node_reads import node_verifier
+            verdicts, _ = node_verifier(self, self._calls).verify(
+                [list(p) for p in prompts], [d for _, d in scored], [row.key64 for row, _ in scored],
+                [0] * len(scored), sampling, verify)
+            results = [(v.emitted, v.num_accepted, v.logprobs) for v in verdicts]
+            fed = [len(p) + len(d) for p, (_, d) in zip(prompts, scored)]
+        elif mode == "full":  # on the NGRAM engine (plain_engine_for: []): whole distributions
             logp = self._score_distributions(prompts, [d.token_ids for _, d in scored], engine)
             keys = torch.tensor([row.key64 for row, _ in scored], dtype=torch.int64)
             verdicts = verify_batch(logp, [d for _, d in scored], keys, [0] * len(scored), sampling, verify)

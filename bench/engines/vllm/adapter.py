@@ -47,7 +47,7 @@ from bench.engines.vllm import proposer as vp
 from bench.engines.vllm.decoding import VLLMDecoding
 from bench.engines.vllm.inflight import InFlightRollout
 from bench.engines.vllm.llm import allow_another_llm, shutdown_llm, start_llm
-from bench.engines.vllm.node_reads import CPU_BLOCK_SIZE, NodeBackend, processor_class
+from bench.engines.vllm.node_reads import CPU_BLOCK_SIZE, node_backend, processor_class
 from bench.spec.policy import SpecPolicy
 from bench.spec.scheduler import Scheduler
 
@@ -263,12 +263,12 @@ class VLLMEngine(VLLMDecoding):
     def _scheduled(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter, verify: VerifyConfig,
                    run_ahead: RunAheadSource | None) -> list[Rollout]:
         """The Python-verified path: the suite's one scheduler (``bench.spec.scheduler``) with vLLM
-        as its backend (``NodeBackend``): the calls, counters and iteration log of torch_ref, the
+        as its backend (``bench.spec.node_backend.NodeBackend``): the calls, counters and iteration log of torch_ref, the
         tokens of the coupled rule on vLLM's logits."""
         llm = self.node_llm()
         self.last_engine, self.last_path = "plain", "scheduler"
         self._calls += 1
-        backend = NodeBackend(self, llm)
+        backend = node_backend(self, llm)
         scheduler = Scheduler(backend, self.policy, min(len(requests), self.max_num_seqs))
         self.last_iterations, self.last_iteration_log = 0, scheduler.iteration_log
         steps = scheduler.run(requests, sampling, drafter, verify, run_ahead)

@@ -55,7 +55,7 @@ from bench.core.sampling import SamplingConfig
 from bench.core.engine_protocol import request_key64
 from bench.engines.vllm import proposer as vp
 from bench.engines.vllm.inflight import InFlightRollout, StepLog
-from bench.engines.vllm.node_reads import NodeVerifier
+from bench.engines.vllm.node_reads import node_verifier
 
 
 class VLLMDecoding:
@@ -69,7 +69,7 @@ class VLLMDecoding:
         T > 0) is read on vLLM's worker by node requests (``bench.engines.vllm.node_reads``)."""
         from vllm import SamplingParams
         if mode == "full":
-            verdicts, _ = NodeVerifier(self, self.node_llm()).verify(
+            verdicts, _ = node_verifier(self, self.node_llm()).verify(
                 [list(row.request.prompt_token_ids) for row, _ in scored], [d for _, d in scored],
                 [row.key64 for row, _ in scored], [0] * len(scored), sampling, verify)
             now = time.perf_counter() - t0
