@@ -380,6 +380,11 @@ def test_checkpoint_swap_changes_scores_and_back(sgl, trace):
     assert [r.token_ids for r in again] == tokens
     for a, b in zip(score_a, first):  # the scoring path agrees with the generation logprobs
         assert a == pytest.approx(b.logprobs, abs=1e-4)
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(trace.checkpoint(0)), dtype=torch.float32).eval()
+    for p, t, got in zip(prompts, tokens, sgl.call("score", prompts, tokens, 0.7)):  # temperature-scaled
+        assert got == pytest.approx(reference_logprobs(model, p, t, 0.7), abs=1e-4)
 
 
 # ---------------------------------------------------------------- tree methods on the suite's scheduler

@@ -1,8 +1,8 @@
 """The prefix path of SGLangEngine (bench.engines.sglang.adapter): the scoring requests that verify
 a draft proposed at output length 0 (prefix reuse, SPEC-RL) and the suite's rule on what SGLang
 returns, as a mixin so the adapter keeps the engine and its continuation, and this module the
-logprob requests and how SGLang lays them out. ``score`` (logprobs of given responses) uses the
-same full-distribution request.
+logprob requests and how SGLang lays them out. ``score`` (logprobs of given responses) reads them
+by node requests too (the full-distribution request only without the plain engine).
 
     python -m pytest -m sglang tests/test_engine_sglang.py   (CPU: in the rig venv, rigs/sglang_cpu/)
 
@@ -144,7 +144,16 @@ class PrefixScoring:
 
     def score(self, prompts: list[list[int]], responses: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Logprobs of given responses under the loaded policy: log_softmax(logits / temperature)
-        (raw at temperature 0), like the logprobs of a rollout."""
+        (raw at temperature 0), like the logprobs of a rollout. On the plain engine each response
+        position is a node request read in SGLang's scheduler (``node_reads``): its token the probe."""
+        if self.engine is not None:
+            from bench.engines.sglang.node_reads import sglang_submit
+            from bench.spec.node_backend import node_tag
+            sampling = SamplingConfig(temperature=temperature)
+            items = [(f"s{b}:{j}", list(p) + list(r[:j]), node_tag(f"s{b}:{j}", 0, j, [t], sampling, temperature == 0))
+                     for b, (p, r) in enumerate(zip(prompts, responses)) for j, t in enumerate(r)]
+            reads = sglang_submit(lambda: self.engine)(items) if items else {}
+            return [[reads[f"s{b}:{j}"].probe_lp[0] for j in range(len(r))] for b, r in enumerate(responses)]
         logp = self._score_distributions(prompts, responses)
         if temperature not in (0, 1):
             logp = torch.log_softmax(logp / temperature, dim=-1)
