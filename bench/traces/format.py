@@ -29,7 +29,8 @@ MANIFEST = "trace.yaml"
 PROMPTS = "prompts.jsonl"
 ROLLOUT_COLUMNS = ("prompt_id", "sample_idx", "token_ids", "logprobs", "reward")
 # task name -> module exposing ``score(metadata: dict, text: str) -> float``
-TASKS = {"countdown": "bench.traces.record.task", "countdown_search": "bench.traces.record.search_task"}
+TASKS = {"countdown": "bench.traces.record.task", "countdown_search": "bench.traces.record.search_task",
+         "word_problems": "bench.traces.record.word_problems"}
 FORMAT_VERSION = 1
 
 
