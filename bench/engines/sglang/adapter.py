@@ -24,10 +24,11 @@ NGRAM set both engines run, each with ``mem_fraction_static`` of the device, 0.4
   one-token request whose rule reading SGLang's scheduler computes with a custom logit processor;
   the same calls, counters, tokens (coupled) and iteration log as torch_ref, run-ahead included.
 - any other drafter with ``speculative_algorithm=NGRAM``: SGLang's own NGRAM speculation (GPU
-  only), fed with every earlier rollout (prompt + output) through its external corpus. This is the engine-native APPROXIMATION of the
-  tree methods: one global trie across prompts (not per prompt), SGLang's drafts and its tree
-  verification rather than the drafter's; the drafter is still told start/observe/finish so its
-  statistics stay meaningful, and the counters come from SGLang's per-request meta_info.
+  only), fed with every earlier rollout (prompt + output) through its external corpus. This is
+  the engine-native APPROXIMATION of the tree methods: one global trie across prompts (not per
+  prompt), SGLang's drafts and its tree verification rather than the drafter's; the drafter is
+  still told start/observe/finish so its statistics stay meaningful, and the counters come from
+  SGLang's per-request meta_info.
 ``run_ahead`` runs on the scheduled path only (elsewhere SGLang owns its batch).
 
 Cut and counters: every emitted token goes through ``bench.core.drafting.settle`` / ``cut_emitted``
@@ -130,6 +131,7 @@ class SGLangEngine(PrefixScoring):
         self._history: list[list[int]] = []  # finished rollouts (prompt + output) for the NGRAM corpus
         self._corpus_loaded = 0
         self.last_iterations = 0
+        self.last_iteration_log: list[dict] | None = None  # the scheduled path's passes (torch_ref's columns)
 
     # ------------------------------------------------------------------ checkpoints
     def load(self, checkpoint: str | Path) -> None:
@@ -207,6 +209,7 @@ class SGLangEngine(PrefixScoring):
         if mode == "tree" and self.speculative != "NGRAM":
             return self._scheduled(requests, sampling, drafter, verify, run_ahead)
         self.last_engine, self.last_path = self.engine_for(drafter), "sglang"
+        self.last_iteration_log = None  # SGLang's offline generate runs a batch to the end: no passes to log
 
         engine = self.engine if self.last_engine == "plain" else self.spec_engine
         t0 = time.perf_counter()
@@ -237,10 +240,7 @@ class SGLangEngine(PrefixScoring):
         """A method that drafts while decoding, without NGRAM: the suite's one scheduler
         (``bench.spec.scheduler``) with SGLang as its backend (``bench.engines.sglang.node_reads``):
         the calls, counters and iteration log of torch_ref, the coupled rule on SGLang's logits."""
-        if self.engine is None:
-            raise ValueError("the scheduled path needs SGLang's engine with no speculative settings: "
-                             "keep engine.plain_engine_for non-empty")
-        self.last_engine, self.last_path = "plain", "scheduler"
+        self.last_engine, self.last_path = "plain", "scheduler"  # without NGRAM the plain engine always exists
         backend = node_backend(self, self._calls)
         scheduler = Scheduler(backend, self.policy, len(requests))
         steps = scheduler.run(requests, sampling, drafter, verify, run_ahead)
