@@ -293,14 +293,26 @@ def read_logits(logits: torch.Tensor, keys: list[int], positions: list[int], pro
     """The rule's reading of n nodes' logits [n, V]: the coupled sample of each (its rollout key,
     its output position), its logprob (log_softmax(logits / T)) and margin, and those of each
     node's probe tokens. fp16/bf16 logits are read in fp32."""
+    kid_at = [i for i, ps in enumerate(probes) for _ in ps]
+    sampled, lp, mg = _read_flat(logits, keys, positions, kid_at, [t for ps in probes for t in ps], sampling, greedy)
+    out, k = [], len(keys)
+    for i, (y, ps) in enumerate(zip(sampled, probes)):
+        out.append(NodeRead(y, lp[i], mg[i], lp[k:k + len(ps)], mg[k:k + len(ps)]))
+        k += len(ps)
+    return out
+
+
+def _read_flat(logits: torch.Tensor, keys: list[int], positions: list[int], kid_at: list[int], kid_tok: list[int],
+               sampling: SamplingConfig, greedy: bool) -> tuple[list[int], list[float], list[float]]:
+    """:func:`read_logits` without objects (the hot path of torch_ref's verifier): the n sampled
+    tokens, then logprobs and margins of the n samples followed by the probes (``kid_tok[m]`` read
+    at node ``kid_at[m]``)."""
     n = len(keys)
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
     dev = logits.device
     pos = torch.tensor([[p] for p in positions], dtype=torch.int64)
     u = uniforms(torch.tensor(keys, dtype=torch.int64), pos, STREAM_SAMPLE)[:, 0].to(dev)
-    kid_at = [i for i, ps in enumerate(probes) for _ in ps]
-    kid_tok = [t for ps in probes for t in ps]
     scaled = scaled_logits(logits, sampling)
     lse = torch.logsumexp(scaled, dim=-1)
     if greedy:
@@ -316,12 +328,7 @@ def read_logits(logits: torch.Tensor, keys: list[int], positions: list[int], pro
     toks = torch.cat([sampled, torch.tensor(kid_tok, dtype=torch.int64, device=dev)])
     lp = (scaled[at, toks] - lse[at]).tolist()
     mg = token_margins(logits, cdf, cut, u, at, toks, lse64).tolist()
-    del logits, scaled, cdf
-    out, k = [], n
-    for i, (y, ps) in enumerate(zip(sampled.tolist(), probes)):
-        out.append(NodeRead(y, lp[i], mg[i], lp[k:k + len(ps)], mg[k:k + len(ps)]))
-        k += len(ps)
-    return out
+    return sampled.tolist(), lp, mg
 
 
 def node_probes(draft: Draft) -> list[list[int]]:
@@ -340,18 +347,32 @@ def _read(todo: list[tuple[int, int]], rows: list[RowVerification], logits_at: L
     for s in range(0, len(todo), chunk):
         part = todo[s:s + chunk]
         if reads_at is not None:
-            reads = reads_at(part)
-        else:
-            b_idx = torch.tensor([b for b, _ in part], dtype=torch.int64)
-            j_idx = torch.tensor([j for _, j in part], dtype=torch.int64)
-            probes = [[rows[b].draft.token_ids[c - 1] for c in rows[b].children[j]] for b, j in part]
-            reads = read_logits(logits_at(b_idx, j_idx), [keys[b] for b, _ in part],
-                                [out_lens[b] + rows[b].depths[j] for b, j in part], probes, sampling, greedy)
-        for (b, j), rd in zip(part, reads):
+            for (b, j), rd in zip(part, reads_at(part)):
+                r = rows[b]
+                r.sampled[j], r.lp[j], r.mg[j] = rd.sampled, rd.lp, rd.mg
+                for c, lp, mg in zip(r.children[j], rd.probe_lp, rd.probe_mg):
+                    r.lp_in[c], r.mg_in[c] = lp, mg
+            continue
+        # the draft tokens of every child of a node in this chunk, read at that node
+        kid_at, kid_tok, kids = [], [], []
+        for i, (b, j) in enumerate(part):
             r = rows[b]
-            r.sampled[j], r.lp[j], r.mg[j] = rd.sampled, rd.lp, rd.mg
-            for c, lp, mg in zip(r.children[j], rd.probe_lp, rd.probe_mg):
-                r.lp_in[c], r.mg_in[c] = lp, mg
+            for c in r.children[j]:
+                kid_at.append(i)
+                kid_tok.append(r.draft.token_ids[c - 1])
+                kids.append((b, c))
+        logits = logits_at(torch.tensor([b for b, _ in part], dtype=torch.int64),
+                           torch.tensor([j for _, j in part], dtype=torch.int64))
+        sampled, lp, mg = _read_flat(logits, [keys[b] for b, _ in part],
+                                     [out_lens[b] + rows[b].depths[j] for b, j in part], kid_at, kid_tok,
+                                     sampling, greedy)
+        del logits
+        n = len(part)
+        for i, ((b, j), y) in enumerate(zip(part, sampled)):
+            r = rows[b]
+            r.sampled[j], r.lp[j], r.mg[j] = y, lp[i], mg[i]
+        for i, (b, c) in enumerate(kids):
+            rows[b].lp_in[c], rows[b].mg_in[c] = lp[n + i], mg[n + i]
 
 
 def _descend(r: RowVerification, verify: VerifyConfig, greedy: bool) -> bool:
