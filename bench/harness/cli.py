@@ -121,12 +121,13 @@ def _predictions(cfg: DictConfig, run_dir: Path):
     from bench.report.prediction import prediction_report
     from bench.report.results import load_iterations
     iterations = load_iterations(run_dir)
-    if iterations.empty:  # engines that log no forward passes (SGLang)
-        print("(no iteration log from this engine: no predicted speedups)", file=sys.stderr)
+    if iterations.empty or "baseline" not in set(iterations["method"]):  # SGLang's own loop logs no passes
+        print(f"(engine {cfg.engine.name} logs no forward passes of the baseline (its own loop): no predicted "
+              f"speedups)", file=sys.stderr)
         return None
-    if iterations["draft_tokens"].isna().any():  # vLLM logs its steps but not their draft lengths
-        print(f"(engine {cfg.engine.name} does not report each forward pass's draft tokens: no predicted "
-              f"speedups; the iteration log still gives tail shares)", file=sys.stderr)
+    if iterations["draft_tokens"].isna().any():  # vLLM's own loop logs its steps but not their draft lengths
+        print(f"(engine {cfg.engine.name}'s own loop does not report each forward pass's draft tokens: no "
+              f"predicted speedups; the iteration log still gives tail shares)", file=sys.stderr)
         return None
     text, summary = prediction_report(run_dir, targets)
     print(text)
