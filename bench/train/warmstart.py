@@ -24,7 +24,7 @@ from bench.core.errors import UserError
 from bench.traces.record import task as countdown
 from bench.core.paths import cache_root
 from bench.traces.record.grpo import RecordConfig, response_ids
-from bench.traces.writer import publish_dir
+from bench.core.publish import publish_dir
 
 WARMSTART_VERSION = 1
 HELDOUT_FILE = "heldout.json"

@@ -24,7 +24,7 @@ import yaml
 from bench.core.paths import cache_root
 from bench.traces.format import MANIFEST
 from bench.traces.record.grpo import RECORDER_VERSION, RecordConfig, SearchRecordConfig
-from bench.traces.writer import replace_dir
+from bench.core.publish import replace_dir
 
 BUNDLED = Path(__file__).resolve().parent / "bundled"  # traces recorded in advance, by cache name
 PRESETS = {"countdown": RecordConfig, "countdown-tiny": RecordConfig.tiny,
