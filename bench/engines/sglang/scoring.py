@@ -150,7 +150,8 @@ class PrefixScoring:
             from bench.engines.sglang.node_reads import sglang_submit
             from bench.spec.node_backend import node_tag
             sampling = SamplingConfig(temperature=temperature)
-            items = [(f"s{b}:{j}", list(p) + list(r[:j]), node_tag(f"s{b}:{j}", 0, j, [t], sampling, temperature == 0))
+            items = [(f"s{b}:{j}", list(p) + list(r[:j]),  # the key and position only matter to samples
+                      node_tag(f"s{b}:{j}", 0, j, [t], sampling, temperature == 0))
                      for b, (p, r) in enumerate(zip(prompts, responses)) for j, t in enumerate(r)]
             reads = sglang_submit(lambda: self.engine)(items) if items else {}
             return [[reads[f"s{b}:{j}"].probe_lp[0] for j in range(len(r))] for b, r in enumerate(responses)]

@@ -16,15 +16,15 @@ rollouts equal torch_ref's in distribution, not token for token):
   inverse-CDF sample needs the whole distribution at every node, so the rule is read on vLLM's
   worker instead, by node requests (``bench.engines.vllm.node_reads``; nothing vocabulary-wide
   comes back): the first mismatch is emitted (a sample of p with the draft token excluded:
-  lossless) or, all accepted, the bonus. The rest of the rollout is one generation request from prompt + emitted
-  tokens with ``max_tokens = max_new_tokens - emitted``.
+  lossless) or, all accepted, the bonus. The rest of the rollout is one generation request from
+  prompt + emitted tokens with ``max_tokens = max_new_tokens - emitted``.
 - SPEC-RL's scoring pass is accounted as on every engine (``bench.core.drafting.DraftCounters``): it
   is one of the rollout's forward passes (torch_ref verifies the same draft inside its prefill
   pass); what it cost on top is labelled per rollout row in ``num_scoring_passes`` /
   ``num_scoring_tokens`` and per call in ``last_scoring`` (requests, tokens, what logprobs).
 - Methods that draft while decoding, where the suite verifies (``engine.spec_verify``: python, or
   auto at temperature > 0 on CPU), do not run here: ``VLLMEngine._scheduled`` runs them through
-  the suite's one scheduler with vLLM as its backend (``node_reads.NodeBackend``).
+  the suite's one scheduler with vLLM as its backend (``bench.spec.node_backend.NodeBackend``).
 - Otherwise drafts after the first token come from vLLM's ``custom_class`` proposer
   (``bench.engines.vllm.proposer``), which calls the drafter with the live output; vLLM verifies
   those chains with its rejection sampler (probability-free drafts: lossless in distribution).
