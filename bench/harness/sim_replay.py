@@ -27,7 +27,7 @@ from bench.core.sampling import SamplingConfig
 from bench.core.verify import VerifyConfig
 from bench.spec.policy import SpecPolicy
 from bench.spec.recorded import Recorded, RecordedBackend, feed_finished, recorded_rows
-from bench.spec.scheduler import Scheduler
+from bench.spec.scheduler import Scheduler, drain
 from bench.harness.sim_cache_oracle import CacheBound, cache_bound, oracle_passes
 from bench.harness.sim_methods import RecordedOracle, SimulationError, build_drafter, check_simulable
 
@@ -50,12 +50,7 @@ def run_step(drafter, step: int, rows: list[Recorded], prompts: Mapping[str, lis
     if iteration_log is not None:
         scheduler.iteration_log = iteration_log
     requests = [Request(r.key, list(prompts.get(r.key.prompt_id, ())), step) for r in rows]
-    calls = scheduler.run(requests, SamplingConfig(max_new_tokens=max_new_tokens), drafter, VerifyConfig())
-    while True:
-        try:
-            next(calls)
-        except StopIteration as done:
-            return done.value
+    return drain(scheduler.run(requests, SamplingConfig(max_new_tokens=max_new_tokens), drafter, VerifyConfig()))
 
 
 def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str, list[int]],

@@ -103,6 +103,16 @@ class IterationState:
     prefill: list[bool] = field(default_factory=list)  # per pass: prompt tokens in its block
 
 
+def drain(steps):
+    """Run a generator of iterations (``Scheduler.run``, ``TorchRefEngine.rollout_steps``) to its
+    end and return what it returns: a rollout call that nothing interleaves."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def policy_name(drafter: Drafter) -> str:
     """The speculation policy's name for a drafter: its class and identity (two methods of one
     class keep their evidence apart)."""

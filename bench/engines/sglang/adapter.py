@@ -62,7 +62,7 @@ from bench.engines.sglang.node_reads import node_backend
 from bench.engines.sglang.partial import PartialRollout
 from bench.engines.sglang.scoring import PrefixScoring
 from bench.spec.policy import SpecPolicy
-from bench.spec.scheduler import Scheduler
+from bench.spec.scheduler import Scheduler, drain
 
 INSTALL_HINT = ("engine=sglang needs the sglang package in the running environment: on a GPU machine "
                 "pip install -e '.[sglang]' in its own venv; on CPU build the test rig with "
@@ -243,13 +243,7 @@ class SGLangEngine(PrefixScoring):
         self.last_engine, self.last_path = "plain", "scheduler"  # without NGRAM the plain engine always exists
         backend = node_backend(self, self._calls)
         scheduler = Scheduler(backend, self.policy, len(requests))
-        steps = scheduler.run(requests, sampling, drafter, verify, run_ahead)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                out = done.value
-                break
+        out = drain(scheduler.run(requests, sampling, drafter, verify, run_ahead))
         self.last_iterations, self.last_iteration_log = scheduler.iterations, scheduler.iteration_log
         self.last_scoring = {"engine": "plain", "scoring_logprobs": None, "scoring_passes": 0, "scoring_tokens": 0}
         return out

@@ -26,7 +26,7 @@ from methods.base import Drafter, NullDrafter, Rollout
 
 from bench.core.sampling import SamplingConfig
 from bench.spec.prices import TablePrices
-from bench.spec.scheduler import Scheduler, policy_name
+from bench.spec.scheduler import Scheduler, drain, policy_name
 from bench.spec.policy import SpecPolicy
 from bench.core.verify import VerifyConfig, check_rule
 from bench.core.engine_protocol import Request, RunAheadSource
@@ -197,12 +197,7 @@ class TorchRefEngine:
 
     def rollout(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
                 verify: VerifyConfig, run_ahead: RunAheadSource | None = None) -> list[Rollout]:
-        steps = self.rollout_steps(requests, sampling, drafter, verify, run_ahead)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return drain(self.rollout_steps(requests, sampling, drafter, verify, run_ahead))
 
     def rollout_steps(self, requests: list[Request], sampling: SamplingConfig, drafter: Drafter,
                       verify: VerifyConfig, run_ahead: RunAheadSource | None = None):

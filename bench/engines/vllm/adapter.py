@@ -49,7 +49,7 @@ from bench.engines.vllm.inflight import InFlightRollout
 from bench.engines.vllm.llm import allow_another_llm, shutdown_llm, start_llm
 from bench.engines.vllm.node_reads import CPU_BLOCK_SIZE, node_backend, processor_class
 from bench.spec.policy import SpecPolicy
-from bench.spec.scheduler import Scheduler
+from bench.spec.scheduler import Scheduler, drain
 
 SPEC_METHODS = ("custom_class", "ngram", "suffix", "none")
 PLAIN_MODES = ("baseline", "prefix")  # drafter modes that may run on the LLM with no speculative config
@@ -271,13 +271,7 @@ class VLLMEngine(VLLMDecoding):
         backend = node_backend(self, llm)
         scheduler = Scheduler(backend, self.policy, min(len(requests), self.max_num_seqs))
         self.last_iterations, self.last_iteration_log = 0, scheduler.iteration_log
-        steps = scheduler.run(requests, sampling, drafter, verify, run_ahead)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                out = done.value
-                break
+        out = drain(scheduler.run(requests, sampling, drafter, verify, run_ahead))
         self.last_iterations = scheduler.iterations
         self.last_spec_metrics = {}
         self.last_scoring = {"engine": self.last_engine, "scoring_logprobs": None, "scoring_passes": 0,
