@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -30,8 +30,18 @@ from bench.spec.roofline import ModelShape
 import numpy as np
 import pandas as pd
 
-if TYPE_CHECKING:  # the engine imports this module when it profiles its table
-    from bench.engines.torch.engine import TorchRefEngine
+class TimedEngine(Protocol):
+    """What timing reads of the engine it profiles (``TorchRefEngine``, which imports this module
+    when it profiles its table: named here by what it offers, so the import runs one way)."""
+
+    name: str
+    model: Any
+    info: Any
+    device: torch.device
+    dtype: torch.dtype
+    _arch_key: str | None
+
+    def _node_logits(self, block: Block, cache: SlotKVCache): ...
 
 AUTO_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 AUTO_QUERY = (1, 2, 3, 5, 9, 17, 25)
@@ -40,7 +50,7 @@ TIMING_VERSION = 5  # bump when what a timed pass covers changes: cached tables 
 AUTO_REPEATS = 5
 
 
-def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], context: int,
+def time_forward(engine: TimedEngine, rows: int, queries: Sequence[int], context: int,
                  repeats: int = 5, interleaved: bool = False) -> dict[int, list[float]]:
     """Seconds of ``repeats`` forward passes for each query width over one prefilled context,
     each width's passes one after another after an untimed one: {query: [seconds, ...]}.
@@ -82,7 +92,7 @@ def time_forward(engine: TorchRefEngine, rows: int, queries: Sequence[int], cont
     return out
 
 
-def _forward(engine: TorchRefEngine, rows: list[LiveRow], drafts: list[Draft], cache: SlotKVCache):
+def _forward(engine: TimedEngine, rows: list[LiveRow], drafts: list[Draft], cache: SlotKVCache):
     """What an iteration's forward costs in the engine: the block, the model's base and the output
     layer on every real node (a draft of up to 32 nodes is read whole by the verifier's first window)."""
     block = Block.build(rows, drafts, cache, engine.device, engine.dtype)
@@ -108,7 +118,7 @@ def auto_contexts(max_context: int) -> tuple[int, ...]:
     return tuple(sorted({min(c, top) for c in AUTO_CONTEXT}))
 
 
-def cached_latency_table(engine: TorchRefEngine):
+def cached_latency_table(engine: TimedEngine):
     """The engine's latency table for its loaded model on this machine, profiled on first use."""
     import pandas as pd
 

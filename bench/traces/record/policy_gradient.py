@@ -11,12 +11,17 @@ both loops share it.
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from bench.traces.record.grpo import RecordConfig
+
+class UpdateConfig(Protocol):
+    """What an update reads of its run's config (the recorder's ``RecordConfig``, the closed loop's)."""
+
+    grad_steps: int
+    temperature: float
+    clip: float
 
 
 def group_advantages(rewards: list[float], n: int, eps: float) -> list[float]:
@@ -31,7 +36,7 @@ def group_advantages(rewards: list[float], n: int, eps: float) -> list[float]:
 
 
 def grpo_update(model, opt, batch: list[tuple[list[int], list[int], list[float], float]],
-                cfg: RecordConfig) -> float:
+                cfg: UpdateConfig) -> float:
     """Clipped policy-gradient steps on (prompt, response, old logprobs, advantage) rows."""
     rows = [b for b in batch if b[3] != 0.0 and b[1]]
     if not rows:
