@@ -5,6 +5,7 @@ SPEC-RL's scoring pass counted as on torch_ref, run-ahead admission.
 
     bash .ci/engine-vllm.sh        (builds the vLLM environment, then: python -m pytest -m vllm tests/test_engine_vllm.py)
 """
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -399,6 +400,22 @@ def test_the_drafter_hears_the_same_calls_as_on_torch_ref(engine, trace):
     assert on_vllm.calls == on_ref.calls
 
 
+@contextlib.contextmanager
+def requests_sent(engine):
+    """The SamplingParams of every request the engine sends to vLLM while the block runs."""
+    sent, run = [], engine._run
+
+    def spy(llm, items, *args, **kwargs):
+        sent.extend(params for _, _, params in items)
+        return run(llm, items, *args, **kwargs)
+
+    engine._run = spy
+    try:
+        yield sent
+    finally:
+        del engine._run
+
+
 LOG_COLUMNS = ("rows", "live_rows", "run_ahead_rows", "query_tokens", "block_tokens", "context_sum", "context_max",
                "draft_tokens", "accepted_tokens", "draft_budget")
 
@@ -424,18 +441,8 @@ def test_the_python_verified_path_is_the_scheduler_with_torch_refs_log(engine, t
     expected = ref.rollout(requests, sampling, on_ref, verify)
     engine.load(trace.checkpoint(step))
     on_vllm.begin_step(step)
-    sent = []
-    run = engine._run
-
-    def spy(llm, items, *args, **kwargs):
-        sent.extend(params for _, _, params in items)
-        return run(llm, items, *args, **kwargs)
-
-    engine._run = spy
-    try:
+    with requests_sent(engine) as sent:
         got = engine.rollout(requests, sampling, on_vllm, verify)
-    finally:
-        del engine._run
     assert sent and not [p for p in sent if p.prompt_logprobs == -1 or p.logprobs == -1]
     assert sum(r.num_draft_tokens for r in got) > 0 and engine.last_path == "scheduler"
     if [r.token_ids for r in got] != [r.token_ids for r in expected]:
@@ -452,18 +459,8 @@ def test_exact_prefix_scoring_at_t1_is_read_on_the_worker(engine, trace):
     worker by node requests, no full-vocabulary logprobs requested, and the accepted prefix and the
     token after it (the coupled sample at the first rejection) equal torch_ref's."""
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=trace.sampling.max_new_tokens)
-    sent = []
-    run = engine._run
-
-    def spy(llm, items, *args, **kwargs):
-        sent.extend(params for _, _, params in items)
-        return run(llm, items, *args, **kwargs)
-
-    engine._run = spy
-    try:
+    with requests_sent(engine) as sent:
         expected, got = _prefix_pair(engine, trace, "prefix_reuse_exact", sampling)
-    finally:
-        del engine._run
     assert engine.last_scoring["scoring_logprobs"] == "full"
     assert sent and not [p for p in sent if p.prompt_logprobs == -1 or p.logprobs == -1]
     same = sum(g.num_accepted_tokens == e.num_accepted_tokens and g.num_draft_tokens == e.num_draft_tokens
