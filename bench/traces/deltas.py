@@ -85,13 +85,23 @@ def _base_dir(folder: Path, base: str) -> Path:
     return path
 
 
-def _digest(*files: Path) -> str:
-    h = hashlib.sha256()
-    for f in files:
+_FILE_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime) -> sha256: a base is hashed once a process
+
+
+def _file_digest(f: Path) -> str:
+    st = f.stat()
+    key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _FILE_DIGESTS:
+        h = hashlib.sha256()
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
-    return h.hexdigest()[:20]
+        _FILE_DIGESTS[key] = h.hexdigest()
+    return _FILE_DIGESTS[key]
+
+
+def _digest(*files: Path) -> str:
+    return hashlib.sha256("".join(_file_digest(f) for f in files).encode()).hexdigest()[:20]
 
 
 def materialize(folder: Path) -> Path:
