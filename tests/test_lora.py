@@ -58,3 +58,10 @@ def test_bad_lora_requests_say_what_to_change(tmp_path):
     add_lora(model)
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         add_lora(model)
+
+
+def test_the_cost_benchmark_refuses_bad_sizes():
+    from bench.benchmarks import lora_costs
+    for argv, flag in ((["--rank", "0"], "--rank"), (["--tokens", "60"], "--tokens"), (["--rollouts", "0"], "--rollouts")):
+        with pytest.raises(SystemExit, match=flag):
+            lora_costs.main(argv)

@@ -12,6 +12,7 @@
     python -m bench.benchmarks verify-scale    # the verifier at V=151,936, B=128, 4,096-token chains
     python -m bench.benchmarks memory          # one torch_ref pass at Qwen2.5-0.5B's shapes: peak memory
     python -m bench.benchmarks vllm-scoring    # vLLM's Python-verified path at V=151,936: memory, s/iteration
+    python -m bench.benchmarks lora-costs      # a LoRA GRPO run on SmolLM2: delta size, merge, one gradient step
     python -m bench.benchmarks bias            # the lenient rule's bias on the bundled trace
     python -m bench.benchmarks latency profile|predict   # this machine's latency table; predictions
     python -m bench.benchmarks gpu-check       # the GPU check (one prepared run on a lent GPU)
@@ -39,6 +40,7 @@ BENCHMARKS = {
     "verify-scale": ("verify_scale", "main"),
     "memory": ("memory", "main"),
     "vllm-scoring": ("vllm_scoring", "main"),
+    "lora-costs": ("lora_costs", "main"),
     "bias": ("bias", "main"),
     "latency": ("latency", "main"),
     "gpu-check": ("gpu_check", "main"),

@@ -1,6 +1,6 @@
 """What every benchmark shares: a random-weight policy of a given shape, synthetic requests,
 interleaved timing of a call, a measured subprocess (wall seconds and peak RSS), one parser per
-benchmark and a markdown table of rows. Kept here so the benchmark modules stay one subject each."""
+benchmark, a markdown table of rows and one row printed. Kept here so the benchmark modules stay one subject each."""
 from __future__ import annotations
 import argparse
 import tempfile
@@ -77,6 +77,16 @@ def print_rows(rows: list[dict]) -> None:
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+
+
+def print_row(row: dict, json_path: str | None = None) -> None:
+    """One measurement as aligned ``name: value`` lines; also written to ``json_path`` when given."""
+    width = max(len(k) for k in row)
+    for k, v in row.items():
+        print(f"{k:>{width}}: {v:.3f}" if isinstance(v, float) else f"{k:>{width}}: {v}")
+    if json_path:
+        import json
+        Path(json_path).write_text(json.dumps(row, indent=1) + "\n")
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:

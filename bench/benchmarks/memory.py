@@ -22,7 +22,6 @@ it by the KV of ``--full-layers`` layers (24: Qwen2.5-0.5B), an extrapolation, l
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -132,10 +131,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     _check(a)
     row = measure(a)
-    for k, v in row.items():
-        print(f"{k:>44}: {v:.3f}" if isinstance(v, float) else f"{k:>44}: {v}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(row, indent=1) + "\n")
+    from bench.benchmarks.helpers import print_row
+    print_row(row, a.json)
 
 
 if __name__ == "__main__":

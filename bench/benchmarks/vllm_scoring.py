@@ -14,7 +14,6 @@ seconds per iteration and what vLLM was asked. Run it on two checkouts to compar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -134,10 +133,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"vllm-scoring: --hidden ({a.hidden}) must be a multiple of --heads ({a.heads}) and "
                          f"--heads a multiple of --kv-heads ({a.kv_heads})")
     row = measure(a)
-    for k, v in row.items():
-        print(f"{k:>22}: {v:.3f}" if isinstance(v, float) else f"{k:>22}: {v}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(row, indent=1) + "\n")
+    from bench.benchmarks.helpers import print_row
+    print_row(row, a.json)
 
 
 if __name__ == "__main__":
