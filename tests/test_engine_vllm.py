@@ -416,6 +416,24 @@ def requests_sent(engine):
         del engine._run
 
 
+@pytest.mark.parametrize("name", ["baseline", "prefix_reuse_exact"])
+def test_plain_generation_at_another_temperature_rescales_on_the_worker(engine, trace, name):
+    """At T = 0.7 the LLM without a speculative config asks only for the sampled token's logprob
+    (logprobs=0, never -1): its logits processor reads each row's log-partitions, and the
+    rescaled logprobs are transformers' log_softmax(logits / T)."""
+    make, verify = method(name)
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=trace.sampling.max_new_tokens)
+    drafter = make()
+    replay(engine, trace, drafter, verify, sampling, WARM[:-1], 2)
+    with requests_sent(engine) as sent:
+        rollouts = replay(engine, trace, drafter, verify, sampling, WARM[-1:], 2)
+    generation = [p for p in sent if p.max_tokens > 1]
+    assert generation and all(p.logprobs == 0 for p in generation) and not [p for p in sent if p.logprobs == -1]
+    ref = hf_logprobs(trace.checkpoint(WARM[-1]), rollouts, 0.7)
+    for r, lp in zip(rollouts, ref):
+        assert r.logprobs == pytest.approx(lp, abs=2e-3), f"{name}: logprobs differ"
+
+
 LOG_COLUMNS = ("rows", "live_rows", "run_ahead_rows", "query_tokens", "block_tokens", "context_sum", "context_max",
                "draft_tokens", "accepted_tokens", "draft_budget")
 

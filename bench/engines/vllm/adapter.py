@@ -193,6 +193,7 @@ class VLLMEngine(VLLMDecoding):
         kwargs.update(self.extra)
         kwargs.update(allow_another_llm(self.gpu_memory_utilization, self.extra))
         llm = start_llm(kwargs, info)
+        llm.reads_on_worker = "logits_processors" in kwargs  # node reads and log-partitions (node_reads)
         if spec is not None and self.speculative_method == "custom_class":
             def register(worker):
                 vp.REGISTRY.runner = worker.model_runner

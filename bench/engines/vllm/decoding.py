@@ -37,8 +37,10 @@ rollouts equal torch_ref's in distribution, not token for token):
   trained rollouts (finish reason "abort" with the tokens they had, as torch_ref).
 - Logprobs are those torch_ref returns, log_softmax(logits / temperature) of each emitted token
   (raw under greedy): vLLM returns raw (temperature 1) logprobs, so at temperature 1 or 0 the
-  sampled token's raw logprob is used as is; at any other temperature the full raw distribution
-  is requested and rescaled here.
+  sampled token's raw logprob is used as is; at any other temperature the LLM without a
+  speculative config reads each row's two log-partitions on the worker and rescales the raw
+  logprob with them (``bench.engines.vllm.node_reads``, ``TEMPER``); only vLLM's speculative LLM,
+  which takes no logits processor, still requests the whole raw distribution to rescale it.
 - Counters per rollout: the scoring pass, then one per step the proposer saw (drafts, draft
   tokens, accepted, per position), all cut and counted by ``bench.core.drafting.settle``.
 """
@@ -55,7 +57,7 @@ from bench.core.sampling import SamplingConfig
 from bench.core.engine_protocol import request_key64
 from bench.engines.vllm import proposer as vp
 from bench.engines.vllm.inflight import InFlightRollout, StepLog
-from bench.engines.vllm.node_reads import node_verifier
+from bench.engines.vllm.node_reads import READS, TEMPER, node_verifier
 
 
 class VLLMDecoding:
@@ -116,7 +118,7 @@ class VLLMDecoding:
         items = []
         for i, row in enumerate(rows):
             if not row.finish_reason:
-                items.append(self._item(f"g{self._calls}:{i}", row, sampling, greedy, stops, session, live))
+                items.append(self._item(f"g{self._calls}:{i}", row, sampling, greedy, stops, session, live, llm))
         extra: list[InFlightRollout] = []
         pending_main = set(live)
         pending_ahead: set[str] = set()
@@ -171,7 +173,7 @@ class VLLMDecoding:
             drafter.start(r.key, r.prompt_token_ids)
             extra.append(row)
             rid, ids, params = self._item(f"a{self._calls}:{len(extra)}", row, sampling, greedy, stops,
-                                          session, live)
+                                          session, live, llm)
             pending_ahead.add(rid)
             llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
 
@@ -190,7 +192,7 @@ class VLLMDecoding:
             comp = o.outputs[0]
             toks = list(comp.token_ids)
             toks = toks[:cut_emitted(toks, stops, sampling.max_new_tokens - len(row.output))]
-            row.logprobs += self._logprobs(comp.logprobs, toks, sampling, greedy)
+            row.logprobs += self._logprobs(comp.logprobs, toks, sampling, greedy, READS.partitions.pop(rid, None))
             row.output += toks
             if row.finished_gen:
                 row.finish_reason = "stop" if row.output and row.output[-1] in stops else "length"
@@ -202,25 +204,35 @@ class VLLMDecoding:
             if not row.first_t:
                 row.first_t = row.first_gen_t
 
-    def _item(self, rid, row, sampling, greedy, stops, session, live):
+    def _item(self, rid, row, sampling, greedy, stops, session, live, llm):
         from vllm import SamplingParams
         room = sampling.max_new_tokens - len(row.output)
-        full = not greedy and sampling.temperature != 1.0  # rescaling needs the whole distribution
+        rescale = not greedy and sampling.temperature != 1.0
+        on_worker = rescale and getattr(llm, "reads_on_worker", False)  # its processor reads the log-partitions
         params = SamplingParams(
             n=1, max_tokens=room, temperature=0.0 if greedy else sampling.temperature,
             top_p=sampling.top_p, top_k=sampling.top_k, seed=(row.key64 ^ (len(row.output) << 1)) & ((1 << 63) - 1),
-            stop_token_ids=sorted(stops), ignore_eos=False, logprobs=-1 if full else 0, detokenize=False)
+            stop_token_ids=sorted(stops), ignore_eos=False, logprobs=-1 if rescale and not on_worker else 0,
+            detokenize=False, extra_args={TEMPER: rid} if on_worker else None)
         live[rid] = row
         if session is not None:
             session.add(rid, vp.RowState(row.request.key, list(row.output), sampling.max_new_tokens))
         return rid, row.request.prompt_token_ids + row.output, params
 
-    def _logprobs(self, entries, toks, sampling, greedy) -> list[float]:
-        """log_softmax(logits / T) of each token from vLLM's raw logprobs (see the module docstring)."""
+    def _logprobs(self, entries, toks, sampling, greedy, partitions=None) -> list[float]:
+        """log_softmax(logits / T) of each token from vLLM's raw logprobs (see the module docstring);
+        ``partitions``: output position -> (lse(z), lse(z / T)), read on the worker."""
         out = []
-        for tok, entry in zip(toks, entries or []):
+        for i, (tok, entry) in enumerate(zip(toks, entries or [])):
             if greedy or sampling.temperature == 1.0:
                 out.append(float(entry[tok].logprob))
+                continue
+            if partitions is not None:
+                if i not in partitions:
+                    raise RuntimeError(f"vLLM sampled output position {i} without the logits processor seeing it; "
+                                       f"its logprob cannot be rescaled to temperature {sampling.temperature}")
+                lse, lse_t = partitions[i]
+                out.append((float(entry[tok].logprob) + lse) / sampling.temperature - lse_t)
                 continue
             raw = _dense([entry], self.info.vocab_size)[0].double()
             out.append(float(torch.log_softmax(raw / sampling.temperature, -1)[tok]))
