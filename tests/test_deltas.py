@@ -120,3 +120,16 @@ def test_bad_deltas_name_the_file_and_tensor(tmp_path, cache):
         deltas.write_delta(tmp_path / "empty", "../base")
     merged = cache / "merged"
     assert not merged.exists() or not any(merged.iterdir())  # nothing half-written is left behind
+
+
+def test_merge_into_writes_what_materialize_caches(tmp_path, cache):
+    base = make_checkpoint(tmp_path / "base", vocab=40, hidden=32)
+    state = load_file(str(base / "model.safetensors"))
+    delta = deltas.write_delta(tmp_path / "d", "../base", _lora(state, ["model.layers.0.self_attn.v_proj.weight"]),
+                               scale=2.0)
+    out = deltas.merge_into(delta, tmp_path / "scratch" / "merged")
+    cached = deltas.materialize(delta)
+    assert out != cached and not out.is_relative_to(cache)
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(cached / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert deltas.merge_into(delta, out) == out  # a second step overwrites the same folder

@@ -128,6 +128,16 @@ def materialize(folder: Path) -> Path:
     return target
 
 
+def merge_into(folder: Path, out: Path) -> Path:
+    """Write the merged checkpoint of ``folder`` into ``out`` (created or overwritten), outside the
+    cache: the recorder samples each step's policy from it, by the same arithmetic as ``materialize``."""
+    folder, out = Path(folder), Path(out)
+    base, scale = _read_meta(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    _merge(folder, _base_dir(folder, base), scale, out)
+    return out
+
+
 def _merge(folder: Path, base_dir: Path, scale: float, out: Path) -> None:
     """Write base + delta into ``out``: the base's files, its weights replaced by the merged ones."""
     from safetensors import safe_open

@@ -3,6 +3,7 @@
     python -m bench.traces.record --out traces/countdown-tiny --tiny
     python -m bench.traces.record --out traces/countdown       # the short trace, about 2 minutes on 1 core
     python -m bench.traces.record --out traces/countdown-search --preset search   # the long-tailed reasoning trace
+    python -m bench.traces.record --out traces/smollm2 --preset smollm2 --threads 2  # GRPO on the real model
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from pathlib import Path
 
 from bench.traces.format import MANIFEST
 from bench.traces.record.grpo import RecordConfig, SearchRecordConfig, record
+from bench.traces.record.smollm2 import SmolLM2RecordConfig
 from bench.traces.record.step_stats import format_row
 
-PRESETS = {"countdown": RecordConfig, "search": SearchRecordConfig}
+PRESETS = {"countdown": RecordConfig, "search": SearchRecordConfig, "smollm2": SmolLM2RecordConfig}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1 is fastest on a shared 2-core machine, and deterministic)")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="countdown",
-                    help="countdown: the short task; search: Countdown by written-out search (long-tailed)")
+                    help="countdown: the short task; search: Countdown by written-out search (long-tailed); "
+                         "smollm2: word problems on the real model (LoRA GRPO)")
     knobs = {f.name: f for cls in PRESETS.values() for f in fields(cls)}
     for f in knobs.values():  # every recorder knob is a flag: --steps, --lr, --sft-steps, ...
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None)
@@ -43,8 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     record(args.out, cfg, threads=args.threads)
     stats = json.loads((args.out / "stats.json").read_text())
-    print(f"\nrecorded {cfg.name!r} into {args.out} in {time.perf_counter() - t0:.1f}s "
-          f"(SFT {stats['sft_s']:.1f}s, final SFT loss {stats['sft_final_loss']:.3f})")
+    warm = (f"SFT {stats['sft_s']:.1f}s, final SFT loss {stats['sft_final_loss']:.3f}"
+            if stats["sft_final_loss"] is not None else f"no SFT, {stats['sft_s']:.1f}s to load the policy")
+    print(f"\nrecorded {cfg.name!r} into {args.out} in {time.perf_counter() - t0:.1f}s ({warm})")
     for row in stats["steps"]:
         print(format_row(row))
 

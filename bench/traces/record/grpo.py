@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 import torch
@@ -83,6 +83,46 @@ class RecordConfig:
     def sft_batches(self, tokenizer):
         return None  # the short task's own examples (bench.traces.record.sft)
 
+    def make_problems(self) -> list:
+        return countdown.make_problems(self.num_prompts, seed=self.seed + 17)
+
+    def prompt_text(self, tokenizer, problem) -> str:
+        return problem.prompt
+
+    def prompt_ids(self, tokenizer, problem) -> list[int]:
+        return tokenizer(problem.prompt)["input_ids"]
+
+    def build_policy(self, tokenizer, progress: bool) -> "Policy":
+        """The policy GRPO starts from: the task's tiny Llama after its SFT warm start."""
+        model = build_model(tokenizer, self.model_config(), seed=self.seed)
+        losses = sft(model, tokenizer, self.sft_config(), progress=progress, make_batch=self.sft_batches(tokenizer))
+
+        def save(folder: Path, scratch: Path) -> Path:
+            return save_checkpoint(model, tokenizer, folder)
+        return Policy(model, list(model.parameters()), save, losses)
+
+
+@dataclass
+class Policy:
+    """The model GRPO trains, the parameters its optimizer updates, and how a step saves it:
+    ``save(folder, scratch)`` writes the step's checkpoint into ``folder`` and returns the
+    checkpoint directory the engine samples from (``folder`` itself, or a merged copy under
+    ``scratch`` when ``folder`` holds a delta)."""
+
+    model: Any
+    parameters: list
+    save: Callable[[Path, Path], Path]
+    warm_start_losses: list[float]
+
+
+def sparse_checkpoint(step: int, steps: int, every: int, last: int) -> bool:
+    """Whether ``step`` keeps its policy: every ``every``-th step counted back from the last one,
+    at most ``last`` of them (0: all)."""
+    back = steps - 1 - step
+    if back % max(1, every):
+        return False
+    return not last or back // max(1, every) < last
+
 
 @dataclass
 class SearchRecordConfig(RecordConfig):
@@ -132,10 +172,11 @@ class SearchRecordConfig(RecordConfig):
     task_module = search_task
 
     def has_checkpoint(self, step: int) -> bool:
-        back = self.steps - 1 - step
-        if back % max(1, self.checkpoint_every):
-            return False
-        return not self.checkpoint_last or back // max(1, self.checkpoint_every) < self.checkpoint_last
+        return sparse_checkpoint(step, self.steps, self.checkpoint_every, self.checkpoint_last)
+
+    def make_problems(self) -> list:
+        return search_task.make_problems(self.num_prompts, seed=self.seed + 17, four_share=self.four_share,
+                                         min_paths=self.min_paths, max_number=self.max_number, ops=self.ops)
 
     def _sft_problems(self):
         return search_task.make_problems(2000, seed=self.seed + 1_000_003, four_share=self.four_share,
@@ -222,7 +263,7 @@ class _Recording:
     pids: list[str]
     prompt_tokens: dict[str, list[int]]
     by_pid: dict[str, Any]
-    model: Any
+    policy: Policy
     opt: Any
     engine: Any
     sampling: Any  # the SamplingConfig the engine samples with
@@ -231,16 +272,11 @@ class _Recording:
 
 def _write_prompts(writer: TraceWriter, cfg: RecordConfig, tok) -> tuple[list[str], dict[str, list[int]], dict]:
     """The task's problems as the trace's prompts: (prompt ids, their tokens, problem by id)."""
-    task = cfg.task_module
-    if task is countdown:
-        problems = countdown.make_problems(cfg.num_prompts, seed=cfg.seed + 17)
-    else:
-        problems = task.make_problems(cfg.num_prompts, seed=cfg.seed + 17, four_share=cfg.four_share,
-                                      min_paths=cfg.min_paths, max_number=cfg.max_number, ops=cfg.ops)
+    problems = cfg.make_problems()
     pids = [f"p{i:04d}" for i in range(len(problems))]
-    prompt_tokens = {pid: tok(p.prompt)["input_ids"] for pid, p in zip(pids, problems)}
+    prompt_tokens = {pid: cfg.prompt_ids(tok, p) for pid, p in zip(pids, problems)}
     by_pid = dict(zip(pids, problems))
-    writer.write_prompts([{"prompt_id": pid, "token_ids": prompt_tokens[pid], "text": p.prompt,
+    writer.write_prompts([{"prompt_id": pid, "token_ids": prompt_tokens[pid], "text": cfg.prompt_text(tok, p),
                            **p.metadata()} for pid, p in by_pid.items()])
     return pids, prompt_tokens, by_pid
 
@@ -258,12 +294,11 @@ def _record(out: Path, cfg: RecordConfig, progress: bool) -> Path:
     tok.save_pretrained(str(out / writer.tokenizer))
     pids, prompt_tokens, by_pid = _write_prompts(writer, cfg, tok)
 
-    model = build_model(tok, cfg.model_config(), seed=cfg.seed)
-    sft_losses = sft(model, tok, cfg.sft_config(), progress=progress, make_batch=cfg.sft_batches(tok))
+    policy = cfg.build_policy(tok, progress)
     t_sft = time.perf_counter() - t_start
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(policy.parameters, lr=cfg.lr, weight_decay=0.0)
     engine = TorchRefEngine(device="cpu", dtype="float32")
-    rec = _Recording(out, cfg, tok, writer, pids, prompt_tokens, by_pid, model, opt, engine,
+    rec = _Recording(out, cfg, tok, writer, pids, prompt_tokens, by_pid, policy, opt, engine,
                      sampling.to_config(), out / ".policy")
     history = RolloutHistory()
     stats: list[dict] = []
@@ -277,7 +312,8 @@ def _record(out: Path, cfg: RecordConfig, progress: bool) -> Path:
             tqdm.write(format_row(row))
     if rec.scratch.exists():
         shutil.rmtree(rec.scratch)
-    summary = {"config": asdict(cfg), "sft_s": t_sft, "sft_final_loss": statistics.mean(sft_losses[-10:]),
+    losses = policy.warm_start_losses
+    summary = {"config": asdict(cfg), "sft_s": t_sft, "sft_final_loss": statistics.mean(losses[-10:]) if losses else None,
                "wall_s": time.perf_counter() - t_start, "steps": stats,
                "lengths": length_summary([n for row in stats for n in row.pop("_lengths")])}
     (out / "stats.json").write_text(json.dumps(summary, indent=1))
@@ -296,8 +332,7 @@ def _record_step(rec: _Recording, step: int, history: RolloutHistory) -> dict:
     cfg, tok = rec.cfg, rec.tok
     t0 = time.perf_counter()
     rel = checkpoint_relpath(step) if cfg.has_checkpoint(step) else None
-    save_checkpoint(rec.model, tok, rec.out / rel if rel else rec.scratch)
-    rec.engine.load(rec.out / rel if rel else rec.scratch)
+    rec.engine.load(rec.policy.save(rec.out / rel if rel else rec.scratch / "step", rec.scratch))
     batch_pids = step_prompts(rec.pids, cfg, step)
     requests = [Request(RolloutKey(pid, i), rec.prompt_tokens[pid], step=step)
                 for pid in batch_pids for i in range(cfg.n)]
@@ -318,7 +353,7 @@ def _record_step(rec: _Recording, step: int, history: RolloutHistory) -> dict:
     advantages = group_advantages(rewards, cfg.n, cfg.eps)
     loss = 0.0
     if step < cfg.steps - 1:  # the last step's rollouts train nothing that is recorded
-        loss = grpo_update(rec.model, rec.opt, [(r.prompt_token_ids, list(r.token_ids), list(r.logprobs), a)
+        loss = grpo_update(rec.policy.model, rec.opt, [(r.prompt_token_ids, list(r.token_ids), list(r.logprobs), a)
                                                 for r, a in zip(rollouts, advantages)], cfg)
     return step_row(step, rollouts, rewards, cfg.n, repeats, shares, checkpoint=rel is not None, loss=loss,
                     rollout_s=t1 - t0, step_s=time.perf_counter() - t0)

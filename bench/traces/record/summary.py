@@ -51,7 +51,8 @@ def summary(trace_dir: Path) -> str:
                 f"p90 {lengths['p90']:.0f}, p99 {lengths['p99']:.0f}, max {lengths['max']} "
                 f"(p99 / p50 = {lengths['p99_over_p50']:.2f}); max_new_tokens {cfg['max_new_tokens']}; "
                 f"reward first quarter {first:.3f}, last quarter {last:.3f} ({last - first:+.3f}); "
-                f"repeat fraction {_f(repeat)}; recorded in {stats['wall_s']:.0f} s (SFT {stats['sft_s']:.0f} s).\n")
+                f"repeat fraction {_f(repeat)}; recorded in {stats['wall_s']:.0f} s ("
+                f"{'SFT' if stats.get('sft_final_loss') is not None else 'no SFT; loading the policy'} {stats['sft_s']:.0f} s).\n")
         checks = {"mean >= 150": lengths["mean"] >= 150, "p99 >= 3x p50": lengths["p99_over_p50"] >= 3,
                   "max_new_tokens >= 512": cfg["max_new_tokens"] >= 512,
                   "reward last quarter >= first + 0.1": last >= first + 0.1,
