@@ -23,16 +23,19 @@ import yaml
 
 from bench.core.paths import cache_root
 from bench.traces.format import MANIFEST
-from bench.traces.record.grpo import RECORDER_VERSION, RecordConfig, SearchRecordConfig
 from bench.core.publish import replace_dir
+from bench.traces.record.grpo import RECORDER_VERSION, RecordConfig, SearchRecordConfig
+from bench.traces.record.smollm2 import SmolLM2RecordConfig
 
 BUNDLED = Path(__file__).resolve().parent / "bundled"  # traces recorded in advance, by cache name
 PRESETS = {"countdown": RecordConfig, "countdown-tiny": RecordConfig.tiny,
-           "countdown-search": SearchRecordConfig, "countdown-search-tiny": SearchRecordConfig.tiny}
+           "countdown-search": SearchRecordConfig, "countdown-search-tiny": SearchRecordConfig.tiny,
+           "smollm2-word-problems": SmolLM2RecordConfig, "smollm2-word-problems-tiny": SmolLM2RecordConfig.tiny}
 
 
 def _config_for(name: str, tiny: bool) -> RecordConfig:
-    base = SearchRecordConfig if name.startswith("countdown-search") else RecordConfig  # the reasoning trace
+    base = (SearchRecordConfig if name.startswith("countdown-search")  # the reasoning trace
+            else SmolLM2RecordConfig if name.startswith("smollm2") else RecordConfig)  # the real model's
     if tiny:
         return base.tiny(name=name)
     return PRESETS[name]() if name in PRESETS else base(name=name)
@@ -57,7 +60,7 @@ def ensure_trace(name_or_dir: str | os.PathLike, tiny: bool = False, progress: b
     """Return the path of a complete trace, recording it first if absent or stale.
 
     ``name_or_dir`` is a cache name (``"countdown"``, ``"countdown-tiny"``, ``"countdown-search"``
-    (the long-tailed reasoning trace), or any name: recorded
+    (the long-tailed reasoning trace), ``"smollm2-word-problems"`` (the real model's), or any name: recorded
     with the default settings, or the tiny ones when ``tiny``; a name with a current bundled
     recording is copied from the package instead) or a directory path. A directory
     that holds a trace is returned as it is; a cached trace recorded by an older recorder version
