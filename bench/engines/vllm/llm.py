@@ -61,8 +61,12 @@ def start_llm(kwargs: dict, info: CheckpointInfo):
     except Exception as exc:
         if llm is not None:
             shutdown_llm(llm)
-        raise CheckpointError(f"{info.path}: vLLM could not load this checkpoint ({type(exc).__name__}: {exc}); "
-                              f"on CPU vLLM needs head_dim 64 or more") from exc
+        text = str(exc)
+        hint = ("raise engine.gpu_memory_utilization (on CPU: the share of host RAM for the KV cache, the "
+                "process's own memory counted against it)" if "kv cache" in text.lower()
+                else "on CPU vLLM needs head_dim 64 or more")
+        raise CheckpointError(f"{info.path}: vLLM could not load this checkpoint ({type(exc).__name__}: {text}); "
+                              f"{hint}") from exc
     return llm
 
 
