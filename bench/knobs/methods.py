@@ -159,6 +159,8 @@ class Method:
 _TREE = "methods.tree_cache.TreeCacheDrafter"
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("baseline", "methods.baseline.Baseline", "nothing", "-"),
+    Method("baseline_again", "methods.baseline.Baseline",
+           "nothing: the baseline a second time, an A/A control whose speedup is the run's noise floor", "-"),
     Method("prefix_reuse", "methods.prefix_reuse.PrefixReuseDrafter",
            "SPEC-RL: the slot's previous rollout as one long draft", "ratio, lenience e^0.5 (lossy, as released)",
            rule="ratio", lenience=1.6487212707001282),
