@@ -73,7 +73,7 @@ def test_every_method_completes(engine, trace, name):
         assert 1 <= len(r.token_ids) <= sampling.max_new_tokens and len(r.logprobs) == len(r.token_ids)
         assert r.finish_reason in ("stop", "length") and r.num_forward_passes >= 1
         assert r.num_accepted_tokens <= r.num_draft_tokens
-    if name != "baseline":  # speculation happened at the prompts' second visit
+    if name not in ("baseline", "baseline_again"):  # speculation happened at the prompts' second visit
         assert sum(r.num_draft_tokens for r in rollouts) > 0
 
 
