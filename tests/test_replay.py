@@ -302,7 +302,7 @@ def test_run_ahead_rollouts_are_stored_apart_and_do_not_copy_the_future(tmp_path
 
 @pytest.mark.parametrize("group,options", [
     ("trace", ["countdown", "countdown_tiny"]), ("engine", ["torch_ref"]),
-    ("sampling", ["trace", "greedy", "top_p"]), ("experiment", ["main", "smoke", "lenience"]),
+    ("sampling", ["trace", "greedy", "top_p"]), ("experiment", ["main", "smoke", "lenience", "smollm2"]),
     ("sweep", ["methods", "spec_tokens"])])
 def test_every_config_composes(group, options):
     for opt in options:
@@ -311,9 +311,13 @@ def test_every_config_composes(group, options):
         assert cfg.method, f"{group}={opt} selects no method"
 
 
+CONTROLS = {"baseline_again"}  # the A/A control: in experiment=smollm2, not in the default main job
+
+
 def test_every_method_config_is_in_the_main_job():
-    names = sorted(p.stem for p in (Path(CONF_DIR) / "method").glob("*.yaml"))
+    names = sorted(p.stem for p in (Path(CONF_DIR) / "method").glob("*.yaml") if p.stem not in CONTROLS)
     assert sorted(cfg_for().method) == names
+    assert set(cfg_for("experiment=smollm2").method) == set(names) | CONTROLS
 
 
 def test_missing_engine_names_what_to_do(tmp_path):
