@@ -96,8 +96,8 @@ def processor_class():
             tempered = [(i, v) for i, v in self.tempered.items() if i < logits.shape[0]]
             if tempered:
                 rows = torch.tensor([i for i, _ in tempered], dtype=torch.int64, device=logits.device)
-                z = logits[rows].double()
-                temps = torch.tensor([v[1] for _, v in tempered], dtype=torch.float64, device=z.device)
+                z = logits[rows]  # float32: a float64 copy of every row's vocabulary each step costs more than it adds
+                temps = torch.tensor([v[1] for _, v in tempered], dtype=z.dtype, device=z.device)
                 lse, lse_t = torch.logsumexp(z, -1).tolist(), torch.logsumexp(z / temps[:, None], -1).tolist()
                 for (_, (rid, _, out)), a, b in zip(tempered, lse, lse_t):
                     READS.partitions.setdefault(rid, {})[len(out)] = (a, b)  # the position about to be sampled
