@@ -17,7 +17,7 @@ LAYERS = (
     ("bench.core",),
     ("bench.spec", "bench.knobs"),
     ("bench.report",),
-    ("bench.engines",),
+    ("bench.engines", "bench.drafters"),
     ("bench.traces",),
     ("bench.harness",),
     ("bench.benchmarks", "bench.train"),

@@ -23,7 +23,8 @@ from methods.baseline import Baseline
 from methods.oracle import OracleDrafter
 
 EXACT = ["baseline", "prefix_reuse_exact", "tree_cache", "tree_cache_tree", "tree_cache_runahead",
-         "history_spec", "suffix_global", "hybrid", "das", "seer"]
+         "history_spec", "suffix_global", "hybrid", "das", "seer", "draft_lm",
+         "learned_tree"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -93,8 +94,9 @@ def _cli(*args):
 
 
 RESUME_METHODS = ["baseline", "tree_cache_runahead", "hybrid", "suffix_global", "tree_cache_tree",
-                  "history_spec"]
-TIMES = {"run_id", "wall_s", "tokens_per_s", "first_token_s", "last_token_s"}  # measured, not counted
+                  "history_spec", "draft_lm"]
+TIMES = {"run_id", "wall_s", "tokens_per_s", "first_token_s", "last_token_s",
+         "drafter_train_s"}  # measured, not counted
 
 
 def _counted(frame):

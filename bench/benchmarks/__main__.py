@@ -16,6 +16,7 @@
     python -m bench.benchmarks bias            # the lenient rule's bias on the bundled trace
     python -m bench.benchmarks latency profile|predict   # this machine's latency table; predictions
     python -m bench.benchmarks gpu-check       # the GPU check (one prepared run on a lent GPU)
+    python -m bench.benchmarks train-idle RUN  # learned drafters' training seconds against the tail's idle time
 
 ``NAME --help`` lists a benchmark's flags. Each module is imported only when its benchmark runs,
 so one benchmark's heavy imports never slow another.
@@ -44,6 +45,7 @@ BENCHMARKS = {
     "bias": ("bias", "main"),
     "latency": ("latency", "main"),
     "gpu-check": ("gpu_check", "main"),
+    "train-idle": ("train_idle", "main"),
 }
 
 

@@ -122,6 +122,48 @@ DRAFTERS: dict[str, tuple[Knob, ...]] = {
              "first (null: no pool)", "suite", lo=0, nullable=True),
         _SRT["backend"],
     ),
+    "bench.drafters.learned.DraftLMDrafter": (
+        Knob("max_spec_tokens", "int", 6, "tokens of the greedy chain the draft model drafts", "suite", lo=1),
+        Knob("window", "int", 32, "context the draft model reads: the last this many tokens", "suite", lo=1),
+        Knob("layers", "int", 2, "draft model decoder layers", "suite", lo=1),
+        Knob("hidden", "int", 128, "draft model hidden size (a multiple of heads)", "suite", lo=1),
+        Knob("heads", "int", 4, "draft model attention heads", "suite", lo=1),
+        Knob("draft_vocab", "int", 0, "draft vocabulary: the warm-up data's this many most frequent tokens (0: "
+             "every token it holds); others are never drafted", "suite", lo=0),
+        Knob("lr", "float", 3e-3, "AdamW learning rate of the warm-up and the updates", "suite", lo=0,
+             open_lo=True),
+        Knob("batch_windows", "int", 32, "windows in one optimizer step", "suite", lo=1),
+        Knob("warmup_steps", "int", 300, "optimizer steps of the warm-up, before the first step drafted "
+             "(TLT's warm-up drafter)", "suite", lo=0),
+        Knob("update_every", "int", 1, "steps between updates (0: frozen after the warm-up)", "suite", lo=0),
+        Knob("update_steps", "int", 20, "optimizer steps of one update", "suite", lo=0),
+        Knob("history_steps", "int", 4, "training reads the rollouts of this many recent steps", "suite", lo=1),
+        Knob("lag", "int", 0, "steps held back from training (0: the drafter has every finished step)", "suite",
+             lo=0),
+        Knob("guard_steps", "int", 4, "stale-drafter guard: a step's acceptance is judged against the median "
+             "of this many earlier steps", "suite", lo=1),
+        Knob("collapse_ratio", "float", 0.5, "stale-drafter guard: flagged below this share of that median",
+             "suite", lo=0, hi=1),
+        Knob("seed", "int", 0, "draft model initialisation and training windows", "suite", lo=0),
+    ),
+    "bench.drafters.learned_tree.LearnedTreeDrafter": (
+        Knob("order", "str", "tree_first", "tree_first: the tree where its draft is long, else the draft model; "
+             "learned_first: the draft model where it is confident, else the tree", "suite",
+             choices=("tree_first", "learned_first")),
+        Knob("tree_min_tokens", "int", 4, "tree_first: the tree drafts when its draft holds at least this many "
+             "tokens", "suite", lo=1),
+        Knob("learned_min_prob", "float", 0.3, "learned_first: the draft model's chain is cut where its path "
+             "probability falls below this", "suite", lo=0, hi=1),
+        _SRT["max_spec_tokens"],
+        Knob("learned_max_spec_tokens", "int", 6, "tokens of the draft model's chain", "suite", lo=1),
+        *(k for k in (Knob("warmup_steps", "int", 300, "draft model: optimizer steps of the warm-up", "suite", lo=0),
+                      Knob("update_every", "int", 1, "draft model: steps between updates (0: frozen)", "suite",
+                           lo=0),
+                      Knob("update_steps", "int", 20, "draft model: optimizer steps of one update", "suite", lo=0),
+                      Knob("history_steps", "int", 4, "draft model: training reads this many recent steps",
+                           "suite", lo=1),
+                      Knob("seed", "int", 0, "draft model initialisation and training windows", "suite", lo=0))),
+    ),
 }
 
 
@@ -181,6 +223,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "ours: prefix reuse first, then the tree cache after the first rejection", "exact"),
     Method("das", "methods.das.DASDrafter", "DAS: per-prompt trie over the last 16 steps, draft budget by "
            "length class (long 24, medium 8, short 0)", "exact"),
+    Method("draft_lm", "bench.drafters.learned.DraftLMDrafter", "a learned drafter: a 2-layer draft LM trained "
+           "on the run's earlier rollouts, updated every step", "exact"),
+    Method("learned_tree", "bench.drafters.learned_tree.LearnedTreeDrafter", "ours, learned: SRT's tree where "
+           "its match is long, the draft LM elsewhere", "exact"),
     Method("seer", "methods.seer.SeerDrafter", "Seer's grouped speculation: in-flight trie of the step's GRPO "
            "group, draft tokens to the longest-running rows first", "exact"),
 )}

@@ -284,7 +284,20 @@ def collect(paths: Iterable[str | Path], baseline: str = "baseline", progress: b
     table["baseline_run"] = table["run_id"].map(pairs)
     table = _identity(table, chosen, pairs, configs, all_rollouts, baseline)
     per_step, table = _with_tail_share(runs, per_step, table, keep, by)
+    notes += stale_drafter_notes(steps)
     return Collection(runs, rollouts, steps, table, per_step, notes)
+
+
+def stale_drafter_notes(steps: pd.DataFrame) -> list[str]:
+    """One note per method whose learned drafter's acceptance collapsed against its own recent steps
+    (``drafter_stale``, bench/drafters/learned.py): a weight sync that did not reach the drafter,
+    or broke it, looks exactly like this while every token stays exact."""
+    if "drafter_stale" not in steps:
+        return []
+    flagged = steps[steps["drafter_stale"].fillna(0) > 0]
+    return [f"STALE DRAFTER: {method}'s acceptance collapsed at step(s) {sorted(set(map(int, grp['step'])))} "
+            f"against its own recent steps: check that its weights were updated and loaded"
+            for method, grp in flagged.groupby("method", sort=True)]
 
 
 def _with_tail_share(runs, per_step, table, keep, by):

@@ -102,8 +102,10 @@ def feed_finished(drafter: Drafter, step: int, recorded: list[Recorded], prompts
     rollouts, with the calls an engine makes, in a fixed order: ``begin_step``, ``start`` for every
     rollout in file order, then ``observe`` (the whole response at once) and ``finish`` in finish
     order (shortest first, ties in file order: a one-token-per-pass engine's). The replay and the
-    simulator both feed history through this, so their caches hold the same history."""
-    drafter.begin_step(step)
+    simulator both feed history through this, so their caches hold the same history. A drafter
+    with a ``begin_history_step`` hook gets that instead of ``begin_step`` (a learned drafter trains
+    before the steps it drafts, not before steps it is only shown)."""
+    getattr(drafter, "begin_history_step", drafter.begin_step)(step)
     for r in recorded:
         drafter.start(r.key, prompts.get(r.key.prompt_id, ()))
     for _, r in sorted(enumerate(recorded), key=lambda ir: (len(ir[1].tokens), ir[0])):
