@@ -351,6 +351,8 @@ def _record_step(rec: _Recording, step: int, history: RolloutHistory) -> dict:
 
     repeats, shares = history.observe(rollouts, batch_pids)
     advantages = group_advantages(rewards, cfg.n, cfg.eps)
+    if getattr(cfg, "overlong_filter", False):  # DAPO's overlong filtering: a truncated answer trains nothing
+        advantages = [0.0 if r.finish_reason == "length" else a for r, a in zip(rollouts, advantages)]
     loss = 0.0
     if step < cfg.steps - 1:  # the last step's rollouts train nothing that is recorded
         loss = grpo_update(rec.policy.model, rec.opt, [(r.prompt_token_ids, list(r.token_ids), list(r.logprobs), a)
