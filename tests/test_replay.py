@@ -313,6 +313,15 @@ def test_every_config_composes(group, options):
         assert cfg.method, f"{group}={opt} selects no method"
 
 
+def test_an_experiment_overrides_the_root_settings():
+    """The root config's own settings come first in its defaults list, so an experiment's win (they
+    were silently dropped before: experiment=smollm2 ran without interleaving, smoke with every step)."""
+    smollm2, smoke = cfg_for("experiment=smollm2"), cfg_for("experiment=smoke")
+    assert smollm2.interleave is True and smollm2.engine.threads == 2
+    assert smoke.max_steps == 3
+    assert cfg_for("experiment=smoke", "max_steps=1").max_steps == 1  # the command line still wins
+
+
 CONTROLS = {"baseline_again"}  # the A/A control: in experiment=smollm2, not in the default main job
 
 
