@@ -107,5 +107,7 @@ class LearnedTreeDrafter(NullDrafter):
         out = {f"tree_{k}": v for k, v in self.tree_cache.stats().items()}
         out.update({f"learned_{k}": v for k, v in self.learned.stats().items()})
         out.update(drafts_by_tree=self._by["tree"], drafts_by_learned=self._by["learned"],
-                   stale=out["learned_stale"], train_s=out["learned_train_s"])
+                   stale=out["learned_stale"], train_s=out["learned_train_s"],
+                   acceptance=out["learned_acceptance"], parameters=out["learned_parameters"],
+                   draft_vocab=out["learned_draft_vocab"])
         return out
