@@ -24,7 +24,7 @@ from methods.oracle import OracleDrafter
 
 EXACT = ["baseline", "prefix_reuse_exact", "tree_cache", "tree_cache_tree", "tree_cache_runahead",
          "history_spec", "suffix_global", "hybrid", "das", "seer", "draft_lm",
-         "learned_tree"]
+         "learned_tree", "eagle"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -94,9 +94,9 @@ def _cli(*args):
 
 
 RESUME_METHODS = ["baseline", "tree_cache_runahead", "hybrid", "suffix_global", "tree_cache_tree",
-                  "history_spec", "draft_lm"]
+                  "history_spec", "draft_lm", "eagle"]
 TIMES = {"run_id", "wall_s", "tokens_per_s", "first_token_s", "last_token_s",
-         "drafter_train_s"}  # measured, not counted
+         "drafter_train_s", "drafter_feature_s"}  # measured, not counted
 
 
 def _counted(frame):

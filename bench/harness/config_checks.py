@@ -191,7 +191,20 @@ def prepare(cfg: DictConfig):
     settings = OmegaConf.to_container(cfg.engine, resolve=True)
     engine = _make_engine(settings.pop("name", None), settings)
     check_interleave(cfg, engine)
+    check_policy_readers(cfg, engine)
     return trace, values, steps, engine
+
+
+def check_policy_readers(cfg: DictConfig, engine) -> None:
+    """A drafter that reads the policy's own model and hidden states (``attach_policy``: the
+    EAGLE-style head) needs an engine that hands them over (``policy_module``: torch_ref)."""
+    if hasattr(engine, "policy_module"):
+        return
+    for name, mcfg in cfg.method.items():
+        cls = hydra.utils.get_class(mcfg.drafter._target_)
+        if hasattr(cls, "attach_policy"):
+            raise UserError(f"method {name} drafts from the policy's hidden states, which engine {cfg.engine.name} "
+                            f"does not hand to drafters: run it with engine=torch_ref, or leave it out")
 
 
 def check_interleave(cfg: DictConfig, engine) -> None:

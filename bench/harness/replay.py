@@ -23,6 +23,7 @@ from methods.base import Drafter, NullDrafter, Rollout, RolloutKey
 
 from bench.spec.recorded import feed_finished, recorded_rows
 from bench.core.engine_protocol import Engine, Request
+from bench.core.errors import UserError
 from bench.report.results import RunWriter, rollout_row, step_row
 from bench.core.sampling import SamplingConfig
 from bench.traces.format import Trace
@@ -226,12 +227,27 @@ def _begin_units(run: _Replay, ctx: _Step, todo: list[MethodSpec], fed: list[int
         drafter = run.drafters[m.name]
         for s in fed:  # part of this unit: its snapshot holds them, so a resume is exact
             feed_recorded(drafter, ctx.trace, s)
+        _attach_policy(drafter, run.engines[m.name], m.name)
         drafter.begin_step(ctx.step)
         if hasattr(drafter, "reset_stats"):
             drafter.reset_stats()  # counters per step; cache sizes are state and stay
         if run.timing_repeats > 1:
             start_state[m.name] = pickle.dumps(drafter, protocol=5), _policy_state(run.engines[m.name], drafter)
     return start_state
+
+
+def _attach_policy(drafter: Drafter, engine: Engine, method: str) -> None:
+    """A drafter that reads the policy (an EAGLE-style head) gets this step's checkpoint, as a
+    weight sync would hand it over; an engine that cannot give it refuses the method by name."""
+    attach = getattr(drafter, "attach_policy", None)
+    if attach is None:
+        return
+    policy_module = getattr(engine, "policy_module", None)
+    if policy_module is None:
+        raise UserError(f"method {method} drafts from the policy's own model and hidden states, which engine "
+                        f"{getattr(engine, 'name', type(engine).__name__)} does not hand to drafters: run it "
+                        f"with engine=torch_ref")
+    attach(policy_module())
 
 
 def _time_step(run: _Replay, ctx: _Step, todo: list[MethodSpec], start_state: dict) -> None:
@@ -358,9 +374,13 @@ def _unit(engine: Engine, rollouts: list[Rollout], wall: float, drafter: Drafter
 
 def _restore(drafter: Drafter, state: bytes) -> None:
     """Put a pickled state of ``drafter`` back into the same object (its identity is what the
-    engine's speculation policy keeps a method's fits under)."""
+    engine's speculation policy keeps a method's fits under). A snapshot leaves an attached policy
+    out (``attach_policy``), so the restored drafter gets the one it had."""
+    policy = getattr(drafter, "attached_policy", None)
     vars(drafter).clear()
     vars(drafter).update(vars(pickle.loads(state)))
+    if policy is not None:
+        drafter.attach_policy(policy)
 
 
 def _policy_state(engine: Engine, drafter: Drafter):

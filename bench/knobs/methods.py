@@ -146,6 +146,29 @@ DRAFTERS: dict[str, tuple[Knob, ...]] = {
              "suite", lo=0, hi=1),
         Knob("seed", "int", 0, "draft model initialisation and training windows", "suite", lo=0),
     ),
+    "bench.drafters.eagle.EagleDrafter": (
+        Knob("max_spec_tokens", "int", 6, "tokens of the greedy chain the head drafts", "suite", lo=1),
+        Knob("window", "int", 32, "(feature, token) pairs the head reads: the row's last this many", "suite", lo=1),
+        Knob("draft_vocab", "int", 0, "draft vocabulary: the warm-up data's this many most frequent tokens (0: "
+             "every token it holds); others are never drafted", "suite", lo=0),
+        Knob("lr", "float", 3e-3, "AdamW learning rate of the warm-up and the updates", "suite", lo=0,
+             open_lo=True),
+        Knob("batch_windows", "int", 32, "windows in one optimizer step", "suite", lo=1),
+        Knob("warmup_steps", "int", 300, "optimizer steps of the warm-up, before the first step drafted "
+             "(TLT's warm-up drafter)", "suite", lo=0),
+        Knob("update_every", "int", 1, "steps between updates (0: frozen after the warm-up)", "suite", lo=0),
+        Knob("update_steps", "int", 20, "optimizer steps of one update", "suite", lo=0),
+        Knob("history_steps", "int", 4, "training reads the rollouts of this many recent steps", "suite", lo=1),
+        Knob("lag", "int", 0, "steps held back from training (0: the drafter has every finished step)", "suite",
+             lo=0),
+        Knob("feature_rollouts", "int", 64, "rollouts a step whose features are kept while they generate; also "
+             "how many shown-only rollouts the policy computes features for in a training round", "suite", lo=1),
+        Knob("guard_steps", "int", 4, "stale-drafter guard: a step's acceptance is judged against the median "
+             "of this many earlier steps", "suite", lo=1),
+        Knob("collapse_ratio", "float", 0.5, "stale-drafter guard: flagged below this share of that median",
+             "suite", lo=0, hi=1),
+        Knob("seed", "int", 0, "head initialisation and training windows", "suite", lo=0),
+    ),
     "bench.drafters.learned_tree.LearnedTreeDrafter": (
         Knob("order", "str", "tree_first", "tree_first: the tree where its draft is long, else the draft model; "
              "learned_first: the draft model where it is confident, else the tree", "suite",
@@ -225,6 +248,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "length class (long 24, medium 8, short 0)", "exact"),
     Method("draft_lm", "bench.drafters.learned.DraftLMDrafter", "a learned drafter: a 2-layer draft LM trained "
            "on the run's earlier rollouts, updated every step", "exact"),
+    Method("eagle", "bench.drafters.eagle.EagleDrafter", "a learned drafter, EAGLE-style: one layer over the "
+           "policy's hidden states, its embedding and output layer reused (torch_ref only)", "exact"),
     Method("learned_tree", "bench.drafters.learned_tree.LearnedTreeDrafter", "ours, learned: SRT's tree where "
            "its match is long, the draft LM elsewhere", "exact"),
     Method("seer", "methods.seer.SeerDrafter", "Seer's grouped speculation: in-flight trie of the step's GRPO "

@@ -71,6 +71,7 @@ class PassResult:
     verdicts: list[Verdict]
     forward_s: float
     verify_s: float
+    features: list | None = None  # per row, the policy's hidden state behind each emitted token (if kept)
 
 
 class Backend(Protocol):
@@ -90,6 +91,9 @@ class Backend(Protocol):
     def commit(self, rows: list[LiveRow], verdicts: list[Verdict]) -> None: ...
 
     def release(self, keep: list[int], rows: list[LiveRow]) -> None: ...
+
+    # A backend that can hand drafters the policy's hidden states has ``keep_features`` (False until a
+    # drafter that declares ``reads_features`` runs); its PassResult then carries ``features``.
 
 
 @dataclass
@@ -152,6 +156,7 @@ class Scheduler:
         order = {id(r): i for i, r in enumerate(requests)}
         policy.start_call(policy_name(drafter))
         never = drafts_mode(drafter) == "never"
+        self._hand_features(drafter)
         backend.start_call(sampling)
         t0 = self.clock()
         while rows or waiting:
@@ -189,6 +194,16 @@ class Scheduler:
             yield
             t0 += self.clock() - paused  # the call's clock stops while other calls run
         return [done[i] for i in range(len(requests))] + ahead
+
+    def _hand_features(self, drafter: Drafter) -> None:
+        """A drafter that reads the policy's hidden states gets them, or the call fails at once."""
+        wants = bool(getattr(drafter, "reads_features", False))
+        if wants and not hasattr(self.backend, "keep_features"):
+            raise ValueError(f"{getattr(drafter, 'name', type(drafter).__name__)} drafts from the policy's hidden "
+                             f"states, which {type(self.backend).__name__} does not hand to drafters: run it on "
+                             f"engine=torch_ref")
+        if hasattr(self.backend, "keep_features"):
+            self.backend.keep_features = wants
 
     def _admit(self, rows, waiting, target, sampling, drafter, run_ahead, limit_of) -> float:
         """Waiting requests into free rows (run-ahead ones only into idle capacity); ``start`` each."""
@@ -252,12 +267,15 @@ class Scheduler:
         lookup = self.policy.lookup  # None without a table (or "auto" before load)
         by_table = None if lookup is None else (lambda r, q: lookup.one(r, q, state.context_mean))
         verdicts: list = [None] * len(rows)
+        features: list = [None] * len(rows)
         calls = []
         for group in forward_groups(sizes, seconds=by_table):
             g_drafts = [drafts[i] for i in group]
             result = self.backend.forward(rows, group, g_drafts, sampling, verify)
-            for i, v in zip(group, result.verdicts):
+            for j, (i, v) in enumerate(zip(group, result.verdicts)):
                 verdicts[i] = v
+                if result.features is not None:
+                    features[i] = result.features[j]
             ctx = [contexts[i] for i in group]
             if self.prices is not None:  # the table's price of this shape, and nothing for the verifier
                 result = PassResult(result.verdicts, self.prices(len(group), max(sizes[i] for i in group),
@@ -273,15 +291,17 @@ class Scheduler:
                           "forward_s": result.forward_s, "verify_s": result.verify_s})
         now = self.clock() - t0
         self.backend.commit(rows, verdicts)
-        accepted = [self._settle(row, d, v, stops, now, drafter, state) for row, d, v in zip(rows, drafts, verdicts)]
+        accepted = [self._settle(row, d, v, stops, now, drafter, state, f)
+                    for row, d, v, f in zip(rows, drafts, verdicts, features)]
         state.prefill = [call.pop("prefill") for call in calls]
         for call in calls:
             call["accepted_tokens"] = sum(accepted[i] for i in call.pop("group"))
         return calls
 
     def _settle(self, row: LiveRow, d: Draft, v: Verdict, stops: set[int], now: float, drafter: Drafter,
-                state: IterationState) -> int:
-        """Cut one row's verdict at stops and its room, count it, feed it back; its accepted tokens."""
+                state: IterationState, features=None) -> int:
+        """Cut one row's verdict at stops and its room, count it, feed it back (the hidden states behind
+        the kept tokens first, to a drafter that reads them); its accepted tokens."""
         row.cached = row.cached + len(row.pending) - 1 + len(v.path)
         emitted, lps, mgs = v.emitted, v.logprobs, v.margins
         kept = settle(row.counters, len(d), emitted, v.num_accepted, stops, len(row.output), row.limit)
@@ -300,6 +320,8 @@ class Scheduler:
         if emitted:
             row.pending = [emitted[-1]]
         t_d = self.clock()
+        if features is not None and emitted:
+            drafter.observe_features(row.request.key, features[:len(emitted)])
         drafter.observe(row.request.key, emitted)
         state.drafter_s += self.clock() - t_d
         if kept.finish_reason:

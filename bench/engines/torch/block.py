@@ -28,6 +28,7 @@ class TorchBackend:
     def __init__(self, engine):
         self.engine = engine
         self.cache = SlotKVCache(capacity=1)
+        self.keep_features = False  # the scheduler sets it for a drafter that reads the policy's hidden states
 
     def stops(self, sampling: SamplingConfig) -> set[int]:
         return set(self.engine.info.eos_token_ids) | set(sampling.stop_token_ids)
@@ -64,7 +65,18 @@ class TorchBackend:
             keys = torch.tensor([r.key64 for r in g_rows], dtype=torch.int64)
             verdicts = verify_nodes(logits_at, eng._vocab, drafts, keys, [len(r.output) for r in g_rows],
                                     sampling, verify, device=eng.device)
-            return PassResult(verdicts, t_v - t_f + head_s[0], time.perf_counter() - t_v - head_s[0])
+            features = self._features(logits_at, verdicts) if self.keep_features else None
+            return PassResult(verdicts, t_v - t_f + head_s[0], time.perf_counter() - t_v - head_s[0], features)
+
+    def _features(self, logits_at, verdicts: list[Verdict]) -> list:
+        """Per row, the last hidden state at each node of its accepted path: the state the output
+        layer read to sample each emitted token (``Verdict.path``)."""
+        features_at = getattr(logits_at, "features_at", None)
+        if features_at is None:
+            raise ValueError("this model runs as one piece (no separate base model), so torch_ref cannot hand "
+                             "its hidden states to a drafter that reads them")
+        device = self.engine.device
+        return [features_at(b, torch.tensor(v.path, device=device)) for b, v in enumerate(verdicts)]
 
     def _chunk_rows(self, rows: list[LiveRow], drafts: list[Draft]) -> int:
         """Nonzero when a block's mask would pass ``MASK_BYTES``, so it runs in tiles (``_tile`` sizes

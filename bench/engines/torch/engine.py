@@ -174,6 +174,12 @@ class TorchRefEngine:
         twin.last_iterations, twin.last_iteration_log = 0, []
         return twin
 
+    def policy_module(self):
+        """The loaded policy (a transformers causal LM) for drafters that read it (``attach_policy``)."""
+        if self.model is None:
+            raise RuntimeError("TorchRefEngine.policy_module called before load(checkpoint)")
+        return self.model
+
     def share_model(self, other: "TorchRefEngine") -> None:
         """Run ``other``'s loaded model (and its latency table, where this policy waits for one)."""
         for name in self._MODEL_STATE:
@@ -280,6 +286,7 @@ class TorchRefEngine:
                 torch.cuda.synchronize()
             head_s[0] += time.perf_counter() - t
             return out
+        logits_at.features_at = lambda row, nodes: hidden[row, root[row] + nodes]  # drafters that read them
         return logits_at, head_s
 
     @property
