@@ -334,6 +334,27 @@ def test_slot_cache_zeroes_new_rows_and_slots_as_far_as_passes_read():
     assert torch.equal(k[:, :, :2], torch.tensor([[[[1.0, 1.0]] * 2]] * 2 + [[[[0.0, 0.0]] * 2]]))
 
 
+def test_slot_cache_zeroes_live_rows_only_and_a_reused_row_when_it_returns():
+    """A long tail with one live row must not touch every finished row's slots (at 15 interleaved
+    methods on a real model those pages were most of the process's memory); a finished row that is
+    reused is zeroed as far as the live ones before any pass reads it."""
+    from bench.engines.torch.kv_slots import SlotKVCache
+    cache = SlotKVCache(capacity=8, poison=True)
+    cache.add_rows(3, 8)
+    cache.set_block(torch.tensor([[0], [0], [0]]), 2)
+    cache.update(torch.ones(3, 1, 1, 2), torch.ones(3, 1, 1, 2), 0)
+    cache.keep_rows([0], used=1)  # rows 1 and 2 finished
+    cache.set_block(torch.tensor([[4]]), 6)  # the tail: one row reads 6 slots
+    k, _ = cache.update(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2), 0)
+    assert not k.isnan().any()
+    assert cache._keys[0][1:, :, 2:6].isnan().all()  # the dead rows' slots were left untouched
+    cache.add_rows(2, 8)  # both reused
+    assert not cache._keys[0][:, :, :6].isnan().any() and not cache._values[0][:, :, :6].isnan().any()
+    cache.set_block(torch.tensor([[6], [6], [6]]), 7)
+    k, v = cache.update(torch.ones(3, 1, 1, 2), torch.ones(3, 1, 1, 2), 0)
+    assert not k.isnan().any() and not v.isnan().any()
+
+
 def test_long_chain_blocks_in_query_chunks_give_the_same_tokens(engine64, monkeypatch):
     """A block whose mask would pass MASK_BYTES runs its queries in chunks (memory rows x chunk x
     context instead of rows x queries x context): the same tokens and logprobs, first drafts of a

@@ -10,7 +10,10 @@ Memory is allocated uninitialised and zeroed lazily, only as far as a forward pa
 0 x NaN is NaN, so every slot a pass reads holds zeros, stale finite KV or this call's KV.
 Why: zeroing the whole buffer up front (rows x (longest prompt + max_new_tokens + 1) slots, every
 layer) took about 50 ms of each main-job rollout call on a CPU (8% of the baseline's call, more
-of a faster method's), for slots a long-tailed step mostly never reaches (results/LOG.md).
+of a faster method's), for slots a long-tailed step mostly never reaches (results/LOG.md). Only
+live rows are zeroed: a row that finished is never read again until ``add_rows`` reuses it, which
+zeroes it then, so a long tail with one live row does not touch (and keep resident) every dead
+row's slots, which at 15 interleaved methods on a real model was most of the process's memory.
 ``poison=True`` fills new memory with NaN instead, so a test proves that no pass reads a slot
 before it is zeroed or written. Exercised by ``pytest tests/test_torch_ref.py``.
 """
@@ -36,7 +39,8 @@ class SlotKVCache:
         self.poison = poison  # tests: new memory holds NaN (what uninitialised memory may hold)
         self._keys: list[torch.Tensor] = []  # [allocated rows, H, capacity + 1, D] per layer
         self._values: list[torch.Tensor] = []
-        self._zeroed: list[int] = []  # per layer: slots [0, n) of every allocated row hold finite values
+        self._zeroed: list[int] = []  # per layer: slots [0, n) of every row below _clean hold finite values
+        self._clean: list[int] = []  # per layer: rows [0, c) are zeroed as far as _zeroed (others: dead rows)
         self.rows = 0
         self.view_len = 0
         self._write_index: torch.Tensor | None = None  # [b, q] slot of each block position
@@ -69,11 +73,13 @@ class SlotKVCache:
             self._keys.append(self._new(key_states.new_empty(shape)))
             self._values.append(self._new(value_states.new_empty(shape)))
             self._zeroed.append(0)
-        if self.view_len > self._zeroed[layer_idx]:  # before the block is written: it may lie in the range
-            for t in (self._keys[layer_idx], self._values[layer_idx]):
-                t[:, :, self._zeroed[layer_idx]:self.view_len].zero_()
-            self._zeroed[layer_idx] = self.view_len
+            self._clean.append(shape[0])
         n = self.rows or B
+        if self.view_len > self._zeroed[layer_idx]:  # before the block is written: it may lie in the range
+            for t in (self._keys[layer_idx], self._values[layer_idx]):  # live rows only: dead ones are never
+                t[:n, :, self._zeroed[layer_idx]:self.view_len].zero_()  # read (add_rows cleans a reused one)
+            self._zeroed[layer_idx] = self.view_len
+            self._clean[layer_idx] = min(self._clean[layer_idx], n)
         k, v = self._keys[layer_idx][:n], self._values[layer_idx][:n]
         if self._subset is None:
             index = self._write_index[:, None, :, None].expand(B, H, q, D)
@@ -114,11 +120,21 @@ class SlotKVCache:
         if capacity > self.capacity:
             self._grow(capacity)
         self.rows += n
-        if not self._keys or self._keys[0].shape[0] >= self.rows:
-            return  # freed rows are reused: their stale slots are written before they are read
-        extra = self.rows - self._keys[0].shape[0]
+        if not self._keys:
+            return
+        allocated = self._keys[0].shape[0]
+        for layer, (k, v) in enumerate(zip(self._keys, self._values)):  # reused rows that died before the
+            reused = min(self.rows, allocated)  # cache was last zeroed further: zeroed as far as the live ones
+            if self._clean[layer] < reused:
+                k[self._clean[layer]:reused, :, :self._zeroed[layer]].zero_()
+                v[self._clean[layer]:reused, :, :self._zeroed[layer]].zero_()
+                self._clean[layer] = reused
+        if allocated >= self.rows:
+            return  # freed rows are reused: their stale slots are finite and written before they are read
+        extra = self.rows - allocated
         self._keys = [self._append_rows(k, extra, z) for k, z in zip(self._keys, self._zeroed)]
         self._values = [self._append_rows(v, extra, z) for v, z in zip(self._values, self._zeroed)]
+        self._clean = [self.rows] * len(self._keys)
 
     def _grow(self, capacity: int) -> None:
         extra = capacity - self.capacity
