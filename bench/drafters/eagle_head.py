@@ -9,7 +9,7 @@ reads what it wrote. TLT, NeMo-RL's online EAGLE-3 and slime's MTP train such he
 
 Here a row's history is a sequence of pairs (f_j, x_j): x_j was sampled from f_j. The head reads the
 last ``window`` pairs (positions restart at every window, in training and drafting alike) and drafts
-a greedy chain, feeding back its own predicted feature and token. The output is read over a draft
+a greedy chain over its own KV cache, feeding back its own predicted feature and token. The output is read over a draft
 vocabulary (the training data's tokens, EAGLE-3's reduced vocabulary): the rows of the policy's
 output layer for those tokens only. Training is EAGLE-1's loss, smooth L1 between predicted and
 true features plus 0.1 x cross-entropy on the next sampled token.
@@ -47,6 +47,9 @@ class EagleHead:
         self._seed, self._lr = seed, lr
         self.attach(policy)
         self.reset()
+        import inspect
+        params = inspect.signature(type(self.body).forward).parameters  # renamed in transformers 5.2x
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def attach(self, policy) -> None:
         """Read the policy's embedding and output rows (the embedding by reference, the draft vocabulary's output rows copied in float32, both frozen): after every
@@ -99,16 +102,22 @@ class EagleHead:
             tokens[b, width - n:] = torch.tensor(list(t[-n:]), device=self.device)
             mask[b, width - n:] = 1
         out_tokens, out_lps = [], []
-        for _ in range(k):
-            nxt = self._features(feats, tokens, mask)[:, -1]
+        past, step_feats, step_tokens = None, feats, tokens
+        for _ in range(k):  # the window once, then one new pair a step over the head's KV cache
+            with torch.no_grad():
+                x = self.fc(torch.cat([self.embed(step_tokens).float(), step_feats], dim=-1))
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -x.shape[1]:]
+            out = self.body(inputs_embeds=x, attention_mask=mask, position_ids=positions, use_cache=True,
+                            **{self._cache_arg: past})
+            past = getattr(out, self._cache_arg)
+            nxt = out.last_hidden_state[:, -1]
             lp = torch.log_softmax(nxt @ self.out_rows.T, dim=-1)
             best = lp.argmax(-1)
             out_lps.append(lp.gather(-1, best[:, None])[:, 0])
             token = self._d2t_tensor[best]
             out_tokens.append(token)
-            feats = torch.cat([feats, nxt[:, None]], dim=1)[:, -w:]
-            tokens = torch.cat([tokens, token[:, None]], dim=1)[:, -w:]
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)[:, -w:]
+            step_feats, step_tokens = nxt[:, None], token[:, None]
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)
         t = torch.stack(out_tokens, 1).tolist()
         lps = torch.stack(out_lps, 1).tolist()
         return list(zip(t, lps))
