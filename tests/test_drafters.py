@@ -454,6 +454,19 @@ def test_all_method_configs_exist():
             "tree_cache_runahead", "history_spec", "suffix_global", "hybrid", "das", "seer"} <= names
 
 
+def _with_policy(drafter):
+    """A drafter that reads the policy's model (``attach_policy``: the EAGLE-style head) gets a tiny
+    random one, as the replay hands it the step's checkpoint; others are returned as they are."""
+    if hasattr(drafter, "attach_policy"):
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        drafter.attach_policy(LlamaForCausalLM(LlamaConfig(
+            vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=2)).eval())
+    return drafter
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_config_instantiates_and_runs_the_protocol(path):
     cfg = OmegaConf.load(path)
@@ -461,7 +474,7 @@ def test_config_instantiates_and_runs_the_protocol(path):
     assert cfg.verify.rule in ("exact", "ratio", "greedy-compatible")
     if cfg.verify.rule == "ratio":
         assert cfg.verify.lenience == pytest.approx(math.exp(0.5))
-    drafter = instantiate(cfg.drafter)
+    drafter = _with_policy(instantiate(cfg.drafter))
     assert isinstance(drafter, Drafter)
     responses = [[1, 2, 3, 4, 1, 2, 3, 5], [1, 2, 3, 4, 1, 2, 3, 5, 6]]
     for step in range(3):  # begin_step, then start/propose/observe/finish per rollout
@@ -478,13 +491,15 @@ def test_config_instantiates_and_runs_the_protocol(path):
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_drafter_state_pickles_and_resumes_identically(path):
     import pickle
-    drafter = instantiate(OmegaConf.load(path).drafter)
+    drafter = _with_policy(instantiate(OmegaConf.load(path).drafter))
     responses = [[1, 2, 3, 4, 1, 2, 3, 5], [1, 2, 3, 4, 1, 2, 9]]
     for step in range(2):
         drafter.begin_step(step)
         for i, target in enumerate(responses):
             drive(drafter, RolloutKey("p", i), target, step=step)
     copy = pickle.loads(pickle.dumps(drafter))  # plain Python state only: what the harness snapshots
+    if hasattr(copy, "attach_policy"):  # a snapshot leaves the policy out; the replay attaches it again
+        copy.attach_policy(drafter.attached_policy)
     for d in (drafter, copy):
         d.begin_step(2)
     for i, target in enumerate(responses):  # the copy drafts exactly what the original drafts

@@ -44,6 +44,14 @@ def drafts_mode(drafter: Drafter) -> str:
     return mode
 
 
+def refuse_feature_readers(drafter: Drafter, engine: str) -> None:
+    """An engine that cannot hand the policy's hidden states to drafters refuses one that reads them
+    (``reads_features``: the EAGLE-style head) by name, instead of letting it silently never draft."""
+    if getattr(drafter, "reads_features", False):
+        raise ValueError(f"{getattr(drafter, 'name', type(drafter).__name__)} drafts from the policy's hidden "
+                         f"states, which {engine} does not hand to drafters: run it with engine=torch_ref")
+
+
 def drafter_mode(drafter: Drafter) -> str:
     """The engine configuration a method needs, named as ``engine.plain_engine_for`` names them:
     'baseline' (never drafts), 'prefix' (one draft at output length 0 only: SPEC-RL's prefix reuse)

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from methods.base import Drafter, Rollout
 
-from bench.core.drafting import DraftCounters, cut_emitted, drafter_mode
+from bench.core.drafting import DraftCounters, cut_emitted, drafter_mode, refuse_feature_readers
 from bench.core.sampling import SamplingConfig
 from bench.core.errors import UserError
 from bench.core.verify import VerifyConfig, check_rule
@@ -200,6 +200,7 @@ class SGLangEngine(PrefixScoring):
         if (self.engine is None and self.spec_engine is None) or self.info is None:
             raise RuntimeError("SGLangEngine.rollout called before load(checkpoint)")
         check_rule(verify, sampling)
+        refuse_feature_readers(drafter, "SGLang")
         if not requests:
             return []
         for r in requests:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from methods.base import Draft, Drafter, Rollout
 
-from bench.core.drafting import drafter_mode, report_live, scoring_logprobs
+from bench.core.drafting import drafter_mode, refuse_feature_readers, report_live, scoring_logprobs
 from bench.core.sampling import SamplingConfig
 from bench.core.errors import UserError
 from bench.core.verify import VerifyConfig, check_rule
@@ -218,6 +218,7 @@ class VLLMEngine(VLLMDecoding):
         if self.llm is None or self.info is None:
             raise RuntimeError("VLLMEngine.rollout called before load(checkpoint)")
         check_rule(verify, sampling)
+        refuse_feature_readers(drafter, "vLLM")
         if not requests:
             return []
         for r in requests:
