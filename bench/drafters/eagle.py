@@ -26,7 +26,7 @@ from bench.drafters.learned import DraftLMDrafter
 
 
 @dataclass
-class Sequence_:
+class TrainingRollout:
     """One rollout as training data: its tokens and, once known, the feature behind each."""
 
     prompt: list[int]
@@ -72,7 +72,7 @@ class EagleDrafter(DraftLMDrafter):
                                "attach_policy(model) before begin_step (torch_ref does; run it there)")
         return self._policy
 
-    def _build(self, data: list[Sequence_]) -> None:
+    def _build(self, data: list[TrainingRollout]) -> None:
         from collections import Counter
 
         from bench.drafters.eagle_head import EagleHead
@@ -80,7 +80,7 @@ class EagleDrafter(DraftLMDrafter):
         tokens = [t for t, _ in counts.most_common(self.draft_vocab or None)]
         self.lm = EagleHead(self._need_policy(), tokens, self.window, self.lr, self.seed)
 
-    def _train(self, data: list[Sequence_], steps: int, kind: str) -> None:
+    def _train(self, data: list[TrainingRollout], steps: int, kind: str) -> None:
         t0 = time.perf_counter()
         self._fill_features(data)
         feature_s = time.perf_counter() - t0
@@ -92,7 +92,7 @@ class EagleDrafter(DraftLMDrafter):
         self._trained[f"{kind}s"] += 1
         self._trained["train_loss"] = out["loss"]
 
-    def _fill_features(self, data: list[Sequence_]) -> None:
+    def _fill_features(self, data: list[TrainingRollout]) -> None:
         """Features for up to ``feature_rollouts`` shown-only rollouts (newest first), by the policy."""
         import torch
         policy = self._need_policy()
@@ -152,7 +152,7 @@ class EagleDrafter(DraftLMDrafter):
             f = torch.cat(parts)
             feats = f if len(f) == len(tokens) else None  # else computed by the policy if training needs it
         self._collect.discard(key)
-        self._by_step.setdefault(self._step, []).append(Sequence_(list(rollout.prompt_token_ids), tokens, feats))
+        self._by_step.setdefault(self._step, []).append(TrainingRollout(list(rollout.prompt_token_ids), tokens, feats))
         self._prompts.pop(key, None)
         self._outputs.pop(key, None)
         keep = sorted(self._by_step)[-(self.history_steps + self.lag + 1):]
