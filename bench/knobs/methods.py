@@ -54,6 +54,26 @@ def _pick(knobs: dict[str, Knob], *names: str) -> tuple[Knob, ...]:
     return tuple(knobs[n] for n in names)
 
 
+_LEARNED = {k.name: k for k in (  # the training schedule and guard both learned drafters share
+    Knob("draft_vocab", "int", 0, "draft vocabulary: the warm-up data's this many most frequent tokens (0: "
+         "every token it holds); others are never drafted", "suite", lo=0),
+    Knob("lr", "float", 3e-3, "AdamW learning rate of the warm-up and the updates", "suite", lo=0,
+         open_lo=True),
+    Knob("batch_windows", "int", 32, "windows in one optimizer step", "suite", lo=1),
+    Knob("warmup_steps", "int", 300, "optimizer steps of the warm-up, before the first step drafted "
+         "(TLT's warm-up drafter)", "suite", lo=0),
+    Knob("update_every", "int", 1, "steps between updates (0: frozen after the warm-up)", "suite", lo=0),
+    Knob("update_steps", "int", 20, "optimizer steps of one update", "suite", lo=0),
+    Knob("history_steps", "int", 4, "training reads the rollouts of this many recent steps", "suite", lo=1),
+    Knob("lag", "int", 0, "steps held back from training (0: the drafter has every finished step)", "suite",
+         lo=0),
+    Knob("guard_steps", "int", 4, "stale-drafter guard: a step's acceptance is judged against the median "
+         "of this many earlier steps", "suite", lo=1),
+    Knob("collapse_ratio", "float", 0.5, "stale-drafter guard: flagged below this share of that median",
+         "suite", lo=0, hi=1),
+)}
+
+
 _SRT = _tree()
 _DAS = _tree(max_depth=24, factor=2.0, match="best", source="released code", ref=DAS)
 _SFX = _tree(max_depth=24, source="released code", ref=SFX)
@@ -128,45 +148,18 @@ DRAFTERS: dict[str, tuple[Knob, ...]] = {
         Knob("layers", "int", 2, "draft model decoder layers", "suite", lo=1),
         Knob("hidden", "int", 128, "draft model hidden size (a multiple of heads)", "suite", lo=1),
         Knob("heads", "int", 4, "draft model attention heads", "suite", lo=1),
-        Knob("draft_vocab", "int", 0, "draft vocabulary: the warm-up data's this many most frequent tokens (0: "
-             "every token it holds); others are never drafted", "suite", lo=0),
-        Knob("lr", "float", 3e-3, "AdamW learning rate of the warm-up and the updates", "suite", lo=0,
-             open_lo=True),
-        Knob("batch_windows", "int", 32, "windows in one optimizer step", "suite", lo=1),
-        Knob("warmup_steps", "int", 300, "optimizer steps of the warm-up, before the first step drafted "
-             "(TLT's warm-up drafter)", "suite", lo=0),
-        Knob("update_every", "int", 1, "steps between updates (0: frozen after the warm-up)", "suite", lo=0),
-        Knob("update_steps", "int", 20, "optimizer steps of one update", "suite", lo=0),
-        Knob("history_steps", "int", 4, "training reads the rollouts of this many recent steps", "suite", lo=1),
-        Knob("lag", "int", 0, "steps held back from training (0: the drafter has every finished step)", "suite",
-             lo=0),
-        Knob("guard_steps", "int", 4, "stale-drafter guard: a step's acceptance is judged against the median "
-             "of this many earlier steps", "suite", lo=1),
-        Knob("collapse_ratio", "float", 0.5, "stale-drafter guard: flagged below this share of that median",
-             "suite", lo=0, hi=1),
+        *_pick(_LEARNED, "draft_vocab", "lr", "batch_windows", "warmup_steps", "update_every", "update_steps",
+               "history_steps", "lag", "guard_steps", "collapse_ratio"),
         Knob("seed", "int", 0, "draft model initialisation and training windows", "suite", lo=0),
     ),
     "bench.drafters.eagle.EagleDrafter": (
         Knob("max_spec_tokens", "int", 6, "tokens of the greedy chain the head drafts", "suite", lo=1),
         Knob("window", "int", 32, "(feature, token) pairs the head reads: the row's last this many", "suite", lo=1),
-        Knob("draft_vocab", "int", 0, "draft vocabulary: the warm-up data's this many most frequent tokens (0: "
-             "every token it holds); others are never drafted", "suite", lo=0),
-        Knob("lr", "float", 3e-3, "AdamW learning rate of the warm-up and the updates", "suite", lo=0,
-             open_lo=True),
-        Knob("batch_windows", "int", 32, "windows in one optimizer step", "suite", lo=1),
-        Knob("warmup_steps", "int", 300, "optimizer steps of the warm-up, before the first step drafted "
-             "(TLT's warm-up drafter)", "suite", lo=0),
-        Knob("update_every", "int", 1, "steps between updates (0: frozen after the warm-up)", "suite", lo=0),
-        Knob("update_steps", "int", 20, "optimizer steps of one update", "suite", lo=0),
-        Knob("history_steps", "int", 4, "training reads the rollouts of this many recent steps", "suite", lo=1),
-        Knob("lag", "int", 0, "steps held back from training (0: the drafter has every finished step)", "suite",
-             lo=0),
+        *_pick(_LEARNED, "draft_vocab", "lr", "batch_windows", "warmup_steps", "update_every", "update_steps",
+               "history_steps", "lag"),
         Knob("feature_rollouts", "int", 64, "rollouts a step whose features are kept while they generate; also "
              "how many shown-only rollouts the policy computes features for in a training round", "suite", lo=1),
-        Knob("guard_steps", "int", 4, "stale-drafter guard: a step's acceptance is judged against the median "
-             "of this many earlier steps", "suite", lo=1),
-        Knob("collapse_ratio", "float", 0.5, "stale-drafter guard: flagged below this share of that median",
-             "suite", lo=0, hi=1),
+        *_pick(_LEARNED, "guard_steps", "collapse_ratio"),
         Knob("seed", "int", 0, "head initialisation and training windows", "suite", lo=0),
     ),
     "bench.drafters.learned_tree.LearnedTreeDrafter": (

@@ -20,7 +20,8 @@ from typing import Any, Protocol, Sequence
 
 from methods.base import Draft, Drafter, Rollout
 
-from bench.core.drafting import DraftCounters, drafts_mode, next_draft, settle, tell_verified
+from bench.core.drafting import (DraftCounters, drafts_mode, next_draft, refuse_feature_readers, settle,
+                                 tell_verified)
 from bench.core.engine_protocol import Request, RunAheadSource, request_key64
 from bench.core.sampling import SamplingConfig
 from bench.spec.policy import SpecPolicy
@@ -197,13 +198,10 @@ class Scheduler:
 
     def _hand_features(self, drafter: Drafter) -> None:
         """A drafter that reads the policy's hidden states gets them, or the call fails at once."""
-        wants = bool(getattr(drafter, "reads_features", False))
-        if wants and not hasattr(self.backend, "keep_features"):
-            raise ValueError(f"{getattr(drafter, 'name', type(drafter).__name__)} drafts from the policy's hidden "
-                             f"states, which {type(self.backend).__name__} does not hand to drafters: run it on "
-                             f"engine=torch_ref")
-        if hasattr(self.backend, "keep_features"):
-            self.backend.keep_features = wants
+        if not hasattr(self.backend, "keep_features"):
+            refuse_feature_readers(drafter, type(self.backend).__name__)
+            return
+        self.backend.keep_features = bool(getattr(drafter, "reads_features", False))
 
     def _admit(self, rows, waiting, target, sampling, drafter, run_ahead, limit_of) -> float:
         """Waiting requests into free rows (run-ahead ones only into idle capacity); ``start`` each."""
