@@ -12,7 +12,7 @@ speculative config).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Sequence
+from typing import Collection, NamedTuple, Sequence
 
 from methods.base import Draft, Drafter, RolloutKey
 
@@ -195,10 +195,10 @@ class DraftCounters:
                 "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
 
 
-@dataclass(frozen=True)
-class Settled:
+class Settled(NamedTuple):
     """What :func:`settle` kept of one verification: the first ``n`` emitted tokens, ``accepted``
-    of them draft tokens; ``finish_reason`` is "stop", "length" or "" (the rollout goes on)."""
+    of them draft tokens; ``finish_reason`` is "stop", "length" or "" (the rollout goes on).
+    A tuple: the scheduler settles every row of every pass (the simulator's hot path)."""
 
     n: int
     accepted: int
@@ -212,6 +212,8 @@ def cut_emitted(emitted: Sequence[int], stops: Collection[int], room: int) -> in
     Example: emitted [4, 2, 9] with stops {2}, room 8 -> 2; room 1 -> 1.
     """
     n = min(len(emitted), max(room, 0))
+    if not stops:
+        return n
     for i in range(n):
         if emitted[i] in stops:
             return i + 1
@@ -230,8 +232,11 @@ def settle(counters: DraftCounters, draft_len: int, emitted: Sequence[int], num_
     """
     n = cut_emitted(emitted, stops, max_new_tokens - out_len)
     accepted = min(num_accepted, n)
-    counters.record(draft_len, accepted)
-    if n and emitted[n - 1] in stops:
+    if draft_len:
+        counters.record(draft_len, accepted)
+    else:  # an undrafted pass: the common case, counted without the call
+        counters.num_forward_passes += 1
+    if n and stops and emitted[n - 1] in stops:
         reason = "stop"
     elif out_len + n >= max_new_tokens:
         reason = "length"

@@ -40,8 +40,14 @@ def recorded_verdict(rec: Recorded, out_len: int, draft: Draft) -> Verdict:
     Example: recorded [5, 6, 9, 2], out_len 0, draft [5, 6, 7] -> emitted [5, 6, 9], path [0, 1, 2].
     """
     toks, t = rec.tokens, out_len
-    if not draft.token_ids:
+    ids = draft.token_ids
+    if not ids:
         path = [0]
+    elif draft.parents is None:  # a chain: the accepted nodes are its longest prefix equal to the recording
+        a, k = 0, min(len(ids), len(toks) - t)
+        while a < k and ids[a] == toks[t + a]:
+            a += 1
+        path = list(range(a + 1))
     else:
         n = len(toks)
         _, path = descend([toks[t + d] if t + d < n else -1 for d in node_depths(draft)], draft)

@@ -106,6 +106,7 @@ class IterationState:
     propose_s: float | None = None  # None: the drafter was not asked
     drafter_s: float = 0.0
     prefill: list[bool] = field(default_factory=list)  # per pass: prompt tokens in its block
+    contexts: list[int] = field(default_factory=list)  # per row: its context before this iteration
 
 
 def drain(steps):
@@ -163,7 +164,8 @@ class Scheduler:
         while rows or waiting:
             t_iter = self.clock()
             drafter_s = self._admit(rows, waiting, target, sampling, drafter, run_ahead, limit_of)
-            state = IterationState(context_mean=sum(r.context for r in rows) / len(rows), drafter_s=drafter_s)
+            contexts = [r.cached + len(r.pending) for r in rows]
+            state = IterationState(context_mean=sum(contexts) / len(rows), drafter_s=drafter_s, contexts=contexts)
             calls = self._iterate(rows, state, sampling, drafter, verify, stops, never, t0)
             drafter_s = state.drafter_s
             keep = []
@@ -260,30 +262,32 @@ class Scheduler:
                  verify: VerifyConfig, stops: set[int], never: bool, t0: float) -> list[dict]:
         """One iteration: draft, verify in one or two passes, commit; one log entry per pass."""
         drafts = self._drafts(rows, state, sampling, drafter, never)
-        contexts = [r.context for r in rows]
-        sizes = [len(r.pending) + len(d) for r, d in zip(rows, drafts)]
+        contexts = state.contexts
+        draft_lens = [len(d.token_ids) for d in drafts]
+        sizes = [len(r.pending) + k for r, k in zip(rows, draft_lens)]
         lookup = self.policy.lookup  # None without a table (or "auto" before load)
         by_table = None if lookup is None else (lambda r, q: lookup.one(r, q, state.context_mean))
         verdicts: list = [None] * len(rows)
         features: list = [None] * len(rows)
         calls = []
-        for group in forward_groups(sizes, seconds=by_table):
-            g_drafts = [drafts[i] for i in group]
+        groups = forward_groups(sizes, seconds=by_table)
+        for group in groups:
+            g_drafts = drafts if len(groups) == 1 else [drafts[i] for i in group]
             result = self.backend.forward(rows, group, g_drafts, sampling, verify)
             for j, (i, v) in enumerate(zip(group, result.verdicts)):
                 verdicts[i] = v
                 if result.features is not None:
                     features[i] = result.features[j]
             ctx = [contexts[i] for i in group]
+            g_sizes = [sizes[i] for i in group]
+            widest, queries = max(g_sizes), sum(g_sizes)
             if self.prices is not None:  # the table's price of this shape, and nothing for the verifier
-                result = PassResult(result.verdicts, self.prices(len(group), max(sizes[i] for i in group),
-                                                                 sum(ctx) / len(group), sum(sizes[i] for i in group)),
+                result = PassResult(result.verdicts, self.prices(len(group), widest, sum(ctx) / len(group), queries),
                                     0.0)
                 self.clock.advance(result.forward_s)
             calls.append({"rows": len(group), "run_ahead_rows": sum(rows[i].request.run_ahead for i in group),
-                          "query_tokens": sum(sizes[i] for i in group),
-                          "block_tokens": len(group) * max(sizes[i] for i in group), "context_sum": sum(ctx),
-                          "context_max": max(ctx), "draft_tokens": sum(len(d) for d in g_drafts),
+                          "query_tokens": queries, "block_tokens": len(group) * widest, "context_sum": sum(ctx),
+                          "context_max": max(ctx), "draft_tokens": sum(draft_lens[i] for i in group),
                           "draft_budget": -1 if state.cap is None else state.cap, "group": group,
                           "prefill": any(len(rows[i].pending) > 1 for i in group),
                           "forward_s": result.forward_s, "verify_s": result.verify_s})
@@ -300,28 +304,32 @@ class Scheduler:
                 state: IterationState, features=None) -> int:
         """Cut one row's verdict at stops and its room, count it, feed it back (the hidden states behind
         the kept tokens first, to a drafter that reads them); its accepted tokens."""
-        row.cached = row.cached + len(row.pending) - 1 + len(v.path)
-        emitted, lps, mgs = v.emitted, v.logprobs, v.margins
-        kept = settle(row.counters, len(d), emitted, v.num_accepted, stops, len(row.output), row.limit)
+        path, emitted = v.path, v.emitted
+        row.cached += len(row.pending) - 1 + len(path)
+        output = row.output
+        kept = settle(row.counters, len(d), emitted, len(path) - 1, stops, len(output), row.limit)
+        lps, mgs = v.logprobs, v.margins
         if kept.n < len(emitted):
             emitted, lps, mgs = emitted[:kept.n], lps[:kept.n], mgs[:kept.n]
         if self.policy.kind == "throughput_optimal" and len(d):  # a first draft (output length 0, verified
             # in the prefill) is no evidence for the drafts of decoding: it has a tracker of its own
             self.policy.record(len(d), kept.accepted, None if d.parents is None else
-                               [j - 1 for j in v.path[1:1 + kept.accepted]], d.parents, first=not row.output)
-        if not row.output:
+                               [j - 1 for j in path[1:1 + kept.accepted]], d.parents, first=not output)
+        if not output:
             row.first_t = now
-        row.output += emitted
+        output += emitted
         row.logprobs += lps
-        row.margins += mgs
+        if mgs:
+            row.margins += mgs
         row.last_t = now
         if emitted:
             row.pending = [emitted[-1]]
-        t_d = self.clock()
+        clock = self.clock
+        t_d = clock()
         if features is not None and emitted:
             drafter.observe_features(row.request.key, features[:len(emitted)])
         drafter.observe(row.request.key, emitted)
-        state.drafter_s += self.clock() - t_d
+        state.drafter_s += clock() - t_d
         if kept.finish_reason:
             row.finish_reason = row.final_reason or kept.finish_reason
         elif not emitted:  # nothing left to emit (an empty recorded rollout)
