@@ -35,6 +35,13 @@ Without the run's tokenizer, ``--tokenizer stand-in`` re-tokenizes a dump with S
 so acceptance and speedups, will differ from the run's. A trace's checkpoints need their own
 tokenizer, so ``stand-in`` is for simulation logs (``--log-out``) only.
 
+Multi-turn rollouts with tool calls (verl's agent loop, TRL's conversational completions, samples
+that are conversations) keep only what the policy decoded: the tool responses the agent loop
+inserted are left out of the generated tokens and counted (``tool_tokens``; a note line says how
+many), ``--tool-response-pattern REGEX`` says where they are in decoded text (default: Hermes-style
+``<tool_response>`` blocks), and a prompt that is a whole conversation is rendered by the chat
+template (``bench.traces.conversations``).
+
 OpenRLHF writes no rollout dump (its trainer logs scalars and, with wandb, sample tables only), so
 it has no format here. Without checkpoints, ``python -m bench.traces.importer --dump DIR
 --dump-format verl --tokenizer TOK --log-out LOG_DIR`` writes a simulation log
@@ -54,8 +61,9 @@ import tempfile
 from pathlib import Path
 
 from bench.traces.format import Trace, TraceError, TraceSampling, checkpoint_relpath, iter_jsonl
+from bench.traces.conversations import TOOL_RESPONSE_PATTERN
 from bench.traces.rollout_dumps import (DUMP_FORMATS, RETOKENIZED_NOTE, STAND_IN, dump_prompts, load_tokenizer, read_dump,
-                                       write_dump_log)
+                                       tool_note, write_dump_log)
 from bench.core.publish import publish_dir
 from bench.traces.writer import TraceWriter
 
@@ -173,13 +181,17 @@ def _tokenizer_dir(ckpts: list[tuple[int, Path]], checkpoints: Path, tokenizer_d
 
 
 def _records_and_rollouts(prompts: Path | None, rollouts: Path | None, dump: Path | None, dump_format: str | None,
-                          tokenizer, add_special_tokens: bool, ckpt_steps: list[int]) -> tuple[list[dict], dict]:
+                          tokenizer, add_special_tokens: bool, ckpt_steps: list[int],
+                          tool_pattern: str | None = TOOL_RESPONSE_PATTERN) -> tuple[list[dict], dict]:
     """The prompt records and step -> rollouts: from ``--dump`` (its prompts unless ``--prompts``
     is given too), or from ``--prompts`` and the optional ``--rollouts``."""
     if dump is not None:
         if rollouts is not None:
             raise TraceError("pass --rollouts or --dump, not both")
-        step_rollouts = read_dump(Path(dump), dump_format or "verl", tokenizer, add_special_tokens)
+        step_rollouts = read_dump(Path(dump), dump_format or "verl", tokenizer, add_special_tokens, tool_pattern)
+        note = tool_note(step_rollouts)
+        if note:
+            print(note)
         records = dump_prompts(step_rollouts) if prompts is None else \
             read_prompts(Path(prompts), tokenizer, add_special_tokens)
     elif prompts is None:
@@ -258,7 +270,7 @@ def import_trace(checkpoints: Path, prompts: Path | None, out: Path, rollouts: P
                  steps_per_prompt_visit: int = 1, name: str | None = None, task: str | None = None,
                  sampling: dict | None = None, tokenizer_dir: Path | None = None,
                  add_special_tokens: bool = True, dump: Path | None = None,
-                 dump_format: str | None = None) -> Trace:
+                 dump_format: str | None = None, tool_pattern: str | None = TOOL_RESPONSE_PATTERN) -> Trace:
     """Build and validate a trace in ``out`` (written to a temp dir, renamed when valid)."""
     from transformers import AutoTokenizer
 
@@ -269,7 +281,7 @@ def import_trace(checkpoints: Path, prompts: Path | None, out: Path, rollouts: P
     tok_dir, tok_ref = _tokenizer_dir(ckpts, checkpoints, tokenizer_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
     records, step_rollouts = _records_and_rollouts(prompts, rollouts, dump, dump_format, tokenizer,
-                                                   add_special_tokens, [s for s, _ in ckpts])
+                                                   add_special_tokens, [s for s, _ in ckpts], tool_pattern)
     steps = sorted({s for s, _ in ckpts} | set(step_rollouts))  # a rollouts file without a checkpoint: rollouts only
     per_step = _prompts_per_step(records, step_rollouts, steps, steps_per_prompt_visit, prompts, checkpoints)
     sampling = _trace_sampling(sampling, step_rollouts)
@@ -306,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dump-format", choices=DUMP_FORMATS, default="verl",
                     help="verl: trainer.rollout_data_dir {step}.jsonl; trl: GRPOTrainer log_completions parquet; "
                          "samples: jsonl lines of a prompt and its samples")
+    ap.add_argument("--tool-response-pattern", default=TOOL_RESPONSE_PATTERN, metavar="REGEX",
+                    help="in decoded multi-turn outputs, the tool responses the agent loop inserted (left out of the "
+                         "generated tokens); default: Hermes-style <tool_response> blocks; none: keep the whole output")
     ap.add_argument("--log-out", type=Path, help="with --dump and no --checkpoints: write a simulation log here")
     ap.add_argument("--steps-per-prompt-visit", type=int, default=1,
                     help="steps between two visits of a prompt when prompts carry no `step`")
@@ -325,7 +340,11 @@ def main(argv: list[str] | None = None) -> None:
         if a.dump is None or a.log_out is None:
             raise TraceError("pass --checkpoints RUN_DIR --out TRACE_DIR (a trace), or --dump DIR --tokenizer TOK "
                              "--log-out LOG_DIR (a simulation log of a rollout dump)")
-        steps = read_dump(a.dump, a.dump_format, load_tokenizer(a.tokenizer), not a.no_special_tokens)
+        steps = read_dump(a.dump, a.dump_format, load_tokenizer(a.tokenizer), not a.no_special_tokens,
+                          a.tool_response_pattern)
+        note = tool_note(steps)
+        if note:
+            print(note)
         out = write_dump_log(steps, a.log_out)
         print(f"wrote {sum(len(df) for df in steps.values())} rollouts of {len(steps)} steps to {out} "
               f"(python -m bench.harness.simulate {out}); note: {RETOKENIZED_NOTE}")
@@ -341,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
                 "max_new_tokens": a.max_new_tokens, "n": a.n, "seed": a.seed}
     trace = import_trace(a.checkpoints, a.prompts, a.out, a.rollouts, a.steps_per_prompt_visit, a.name,
                          a.task, sampling, a.tokenizer, not a.no_special_tokens, dump=a.dump,
-                         dump_format=a.dump_format if a.dump else None)
+                         dump_format=a.dump_format if a.dump else None, tool_pattern=a.tool_response_pattern)
     print(f"wrote {trace} ({sum(len(s.prompt_ids) for s in trace.steps)} step-prompts, "
           f"{sum(s.rollouts is not None for s in trace.steps)} steps with rollouts, "
           f"{sum(s.checkpoint is None for s in trace.steps)} of them without a checkpoint) to {a.out}"

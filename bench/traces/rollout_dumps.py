@@ -19,6 +19,8 @@ import math
 import re
 from pathlib import Path
 
+from bench.traces.conversations import (TOOL_RESPONSE_PATTERN, Generated, is_messages, render_prompt, split_decoded,
+                                        split_messages, tool_regex)
 from bench.traces.format import TraceError, iter_jsonl
 
 DUMP_FORMATS = ("verl", "trl", "samples")
@@ -95,19 +97,36 @@ def _dump_files(directory: Path, fmt: str) -> dict[int, Path]:
     return files
 
 
-def _text(value, path: Path, where: str, tokenizer, prompt: bool) -> list[int] | str:
+def _text(value, path: Path, where: str, tokenizer, prompt: bool, tools=None) -> list[int] | str | Generated:
+    """A prompt as text or token ids (a conversation, by the chat template); an output as the text
+    the policy decoded, tool responses left out (``bench.traces.conversations``)."""
     if isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)) or hasattr(value, "tolist"):  # conversational: a list of messages
-        msgs = list(value.tolist() if hasattr(value, "tolist") else value)
-        if all(isinstance(m, dict) and "content" in m for m in msgs):
-            if not prompt:
-                return "".join(str(m["content"]) for m in msgs)
-            if getattr(tokenizer, "chat_template", None):
-                return tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-            raise TraceError(f"{path}{where}: the prompt is a list of chat messages but the tokenizer has no chat "
-                             f"template; pass the run's tokenizer")
-    raise TraceError(f"{path}{where}: expected text, got {type(value).__name__}")
+        return value if prompt else split_decoded(value, tools)
+    if is_messages(value):
+        return render_prompt(value, tokenizer, f"{path}{where}") if prompt else split_messages(value, f"{path}{where}")
+    raise TraceError(f"{path}{where}: expected text or a list of chat messages, got {type(value).__name__}")
+
+
+def _output_row(generated: Generated, tokenizer) -> dict:
+    """The columns of one rollout's output: its generated token ids and the tool tokens left out."""
+    return {"token_ids": tokenizer(generated.text, add_special_tokens=False)["input_ids"],
+            "tool_tokens": len(tokenizer(generated.tool_text, add_special_tokens=False)["input_ids"])
+            if generated.tool_text else 0}
+
+
+def tool_note(steps: dict[int, "object"]) -> str | None:
+    """One line on what was left out of multi-turn rollouts, or None where nothing was."""
+    frames = [df for df in steps.values() if "tool_tokens" in df]
+    tool = sum(int(df["tool_tokens"].sum()) for df in frames)
+    if not tool:
+        return None
+    rows = sum(int((df["tool_tokens"] > 0).sum()) for df in frames)
+    total = sum(len(df) for df in steps.values())
+    gen = sum(len(t) for df in steps.values() for t in df["token_ids"])
+    return (f"note: {rows} of {total} rollouts are multi-turn: {tool:,} tool-response tokens "
+            f"({tool / (tool + gen):.1%} of their output) are left out of the generated tokens, since the agent "
+            f"loop inserts them; the simulation decodes each rollout's policy turns back to back "
+            f"(--tool-response-pattern none keeps them)")
 
 
 def _dump_records(f: Path, fmt: str, step: int):
@@ -181,23 +200,25 @@ def _sample_records(path: Path):
             yield f, lineno, r["prompt"], r[key], rewards, step, r.get("prompt_id")
 
 
-def read_samples(path: Path, tokenizer, add_special_tokens: bool = True) -> dict[int, "object"]:
+def read_samples(path: Path, tokenizer, add_special_tokens: bool = True,
+                 tool_pattern: str | None = TOOL_RESPONSE_PATTERN) -> dict[int, "object"]:
     """step -> DataFrame, as ``read_dump``, of an evaluation dump (``_sample_records``); every line
     is one prompt's samples, and a prompt seen again at the same step adds samples after its first."""
     import pandas as pd
     data: dict[int, list[dict]] = {}
     seen: dict[tuple[int, str], int] = {}
+    tools = tool_regex(tool_pattern)
     for f, lineno, prompt, samples, rewards, step, given_id in _sample_records(path):
         prompt = _text(prompt, f, f":{lineno}", tokenizer, True)
         key, pids = _prompt_ids(prompt, tokenizer, add_special_tokens)
         pid = str(given_id) if given_id is not None else _prompt_id(key)
         for text, reward in zip(samples, rewards):
-            output = _text(text, f, f":{lineno}", tokenizer, False)
+            output = _text(text, f, f":{lineno}", tokenizer, False, tools)
             idx = seen.get((step, pid), 0)
             seen[(step, pid)] = idx + 1
             data.setdefault(step, []).append(
                 {"prompt_id": pid, "sample_idx": idx, "prompt_text": key, "prompt_token_ids": pids,
-                 "token_ids": tokenizer(output, add_special_tokens=False)["input_ids"], "logprobs": None,
+                 **_output_row(output, tokenizer), "logprobs": None,
                  "reward": float(reward) if reward is not None else math.nan, "retokenized": True})
     return {step: pd.DataFrame(rows) for step, rows in sorted(data.items())}
 
@@ -214,13 +235,16 @@ def _prompt_ids(prompt, tokenizer, add_special_tokens: bool) -> tuple[str, list[
     return key, [int(t) for t in ids]
 
 
-def read_dump(directory: Path, fmt: str, tokenizer, add_special_tokens: bool = True) -> dict[int, "object"]:
-    """step -> DataFrame (prompt_id, sample_idx, token_ids, prompt_token_ids, prompt_text, reward,
-    retokenized) of a verl, TRL or evaluation (``samples``) dump; every problem is one TraceError
-    naming the file."""
+def read_dump(directory: Path, fmt: str, tokenizer, add_special_tokens: bool = True,
+              tool_pattern: str | None = TOOL_RESPONSE_PATTERN) -> dict[int, "object"]:
+    """step -> DataFrame (prompt_id, sample_idx, token_ids, tool_tokens, prompt_token_ids, prompt_text,
+    reward, retokenized) of a verl, TRL or evaluation (``samples``) dump; every problem is one
+    TraceError naming the file. Multi-turn rollouts keep only the policy's turns
+    (``bench.traces.conversations``; ``tool_tokens``: what was left out)."""
     import pandas as pd
     if fmt == "samples":
-        return read_samples(directory, tokenizer, add_special_tokens)
+        return read_samples(directory, tokenizer, add_special_tokens, tool_pattern)
+    tools = tool_regex(tool_pattern)
     out = {}
     for step, f in _dump_files(Path(directory), fmt).items():
         records, where = _dump_records(f, fmt, step)
@@ -229,14 +253,13 @@ def read_dump(directory: Path, fmt: str, tokenizer, add_special_tokens: bool = T
         data = []
         for i, r in enumerate(records):
             prompt = _text(r["input"] if fmt == "verl" else r["prompt"], f, where(i), tokenizer, True)
-            output = _text(r["output"] if fmt == "verl" else r["completion"], f, where(i), tokenizer, False)
+            output = _text(r["output"] if fmt == "verl" else r["completion"], f, where(i), tokenizer, False, tools)
             key, pids = _prompt_ids(prompt, tokenizer, add_special_tokens)
             pid = _prompt_id(key)
             idx = seen.get(pid, 0)  # the n samples of a prompt, by order
             seen[pid] = idx + 1
             data.append({"prompt_id": pid, "sample_idx": idx, "prompt_text": key,
-                         "prompt_token_ids": pids,
-                         "token_ids": tokenizer(output, add_special_tokens=False)["input_ids"],
+                         "prompt_token_ids": pids, **_output_row(output, tokenizer),
                          "logprobs": None, "reward": rewards[i], "retokenized": True})
         out[step] = pd.DataFrame(data)
     return out
