@@ -128,6 +128,36 @@ def test_predict_on_a_hand_made_log_gives_the_hand_computed_seconds(tmp_path):
     assert no_host.loc["spec", "predicted_s"] == pytest.approx(spec - 0.005)
 
 
+def test_tree_blocks_are_priced_from_the_tree_grid_where_the_table_has_one():
+    def rows_of(tree, factor):
+        return [{"rows": r, "query": q, "context": c, "seconds": factor * 1e-4 * r * q, "tree": tree}
+                for r in (1, 4, 16) for q in (1, 5, 25) for c in (16, 64)]
+    table = LatencyTable(pd.DataFrame(rows_of(0, 1.0) + rows_of(1, 1.5)), "hand-made")
+    shapes = ([4, 4, 16], [5, 5, 25], [16, 16, 64])
+    assert table.seconds(*shapes) == pytest.approx([2e-3, 2e-3, 0.04], rel=1e-9)  # chains
+    assert table.seconds(*shapes, tree=[False, True, True]) == pytest.approx([2e-3, 3e-3, 0.06], rel=1e-9)
+    chain_only = grid_table(lambda r, q, c: 1e-4 * r * q)  # no tree grid: every pass at the chain price
+    assert chain_only.seconds(*shapes, tree=[True, True, True]) == pytest.approx([2e-3, 2e-3, 0.04], rel=1e-9)
+    from bench.spec.latency import pass_seconds
+    it = pd.DataFrame({"rows": [4, 4], "block_tokens": [20, 20], "query_tokens": [20, 20], "context_sum": [64, 64],
+                       "tree_block": [False, True]})
+    assert pass_seconds(it, table)[0] == pytest.approx([2e-3, 3e-3], rel=1e-9)
+
+
+def test_a_profile_with_trees_times_tree_blocks_beside_chains(tiny_trace):
+    from bench.engines.torch.engine import TorchRefEngine
+    from bench.engines.torch.timing import profile
+    from bench.traces.format import Trace
+    trace = Trace.load(tiny_trace)
+    engine = TorchRefEngine(dtype="float32")
+    engine.load(trace.checkpoint(trace.step_numbers[-1]))
+    frame = profile(engine, rows=(1, 2), query=(1, 3), context=(8,), repeats=1, progress=False, trees=True)
+    assert sorted(map(tuple, frame[["tree", "rows", "query"]].values.tolist())) == \
+        [(t, r, q) for t in (0, 1) for r in (1, 2) for q in (1, 3)]
+    table = LatencyTable(frame, "profiled")
+    assert table.trees is not None and (frame["seconds"] > 0).all()
+
+
 def test_roofline_by_hand_and_bundled_shapes():
     hw = Hardware("toy", memory_bandwidth_gbs=1.0, peak_tflops=1e-3, memory_gb=1.0,
                   bandwidth_efficiency=1.0, flops_efficiency=1.0)

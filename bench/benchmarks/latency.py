@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--query", default=",".join(map(str, DEFAULT_QUERY)))
     p.add_argument("--context", default=",".join(map(str, DEFAULT_CONTEXT)))
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--trees", action="store_true", help="also time every shape with tree drafts (column tree = 1): "
+                   "tree drafters' passes are then priced from those")
     q = sub.add_parser("predict", help="predicted rollout seconds of a run on a table or a roofline")
     q.add_argument("run", type=Path)
     q.add_argument("--table", type=Path)
@@ -66,7 +68,8 @@ def _run(args: argparse.Namespace) -> None:
                 ckpt = trace.checkpoint(trace.step_numbers[-1])
             engine = TorchRefEngine(device=args.device, dtype=args.dtype, threads=args.threads)
             engine.load(ckpt)
-            frame = profile(engine, _ints(args.rows), _ints(args.query), _ints(args.context), args.repeats)
+            frame = profile(engine, _ints(args.rows), _ints(args.query), _ints(args.context), args.repeats,
+                            trees=args.trees)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             frame.to_csv(args.out, index=False)
             print(f"wrote {len(frame)} shapes to {args.out} ({frame['model'].iloc[0]}, {frame['hardware'].iloc[0]})")

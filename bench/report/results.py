@@ -70,7 +70,7 @@ ITERATION_SCHEMA: dict[str, pa.DataType] = {
     "query_tokens": pa.int64(), "block_tokens": pa.int64(), "context_sum": pa.int64(),
     "context_max": pa.int64(), "draft_tokens": pa.int64(), "accepted_tokens": pa.int64(),
     "draft_budget": pa.int64(), "forward_s": pa.float64(), "verify_s": pa.float64(),
-    "drafter_s": pa.float64(), "other_s": pa.float64(),
+    "drafter_s": pa.float64(), "other_s": pa.float64(), "tree_block": pa.bool_(),
 }
 ROLLOUTS_DIR, STEPS_DIR, DRAFTERS_DIR = "rollouts.parquet", "steps.parquet", "drafters"
 ITERATIONS_DIR = "iterations.parquet"

@@ -44,6 +44,11 @@ class LatencyTable:
     """
 
     def __init__(self, frame: pd.DataFrame, source: str = "table"):
+        self.trees: LatencyTable | None = None  # tree blocks' own grid, where the profile timed them
+        if "tree" in frame and frame["tree"].astype(bool).any():
+            tree = frame["tree"].astype(bool)
+            self.trees = LatencyTable(frame[tree].drop(columns=["tree"]), f"{source} (tree blocks)")
+            frame = frame[~tree].drop(columns=["tree"])
         missing = [c for c in (*GRID_COLUMNS, "seconds") if c not in frame]
         if missing:
             raise UserError(f"{source}: a latency table needs the columns rows, query, context, seconds "
@@ -78,8 +83,17 @@ class LatencyTable:
         parts = [str(first[c]) for c in ("engine", "hardware", "model", "dtype") if c in self.frame]
         return " / ".join(parts) or self.source
 
-    def seconds(self, rows, query, context) -> np.ndarray:
-        """Predicted seconds of passes with these shapes (array-likes of equal length)."""
+    def seconds(self, rows, query, context, tree=None) -> np.ndarray:
+        """Predicted seconds of passes with these shapes (array-likes of equal length). ``tree``
+        (per pass, optional): the pass's block holds a tree draft, priced from the tree grid where
+        the table has one (``profile --trees``): its ancestor mask is host work the chain grid misses."""
+        if tree is not None and self.trees is not None:
+            tree = np.asarray(tree, dtype=bool)
+            out = self.seconds(rows, query, context)
+            if tree.any():
+                pick = lambda v: np.asarray(v, dtype=float)[tree]
+                out[tree] = self.trees.seconds(pick(rows), pick(query), pick(context))
+            return out
         points = [np.log(np.maximum(np.asarray(v, dtype=float), 1.0)) for v in (rows, query, context)]
         out = np.zeros(len(points[0]))
         corners = [_bracket(p, np.log(a)) for p, a in zip(points, self.axes)]
@@ -153,8 +167,9 @@ def pass_seconds(it: pd.DataFrame, table: LatencyTable | None = None, hardware: 
     padded query per row, mean context), or the roofline of ``hardware`` x ``model`` at its real
     query tokens and context."""
     if table is not None:
-        return (np.asarray(table.seconds(it["rows"], it["block_tokens"] / it["rows"], it["context_sum"] / it["rows"])),
-                f"table {table.label}")
+        tree = it["tree_block"].fillna(False).astype(bool) if "tree_block" in it else None
+        return (np.asarray(table.seconds(it["rows"], it["block_tokens"] / it["rows"], it["context_sum"] / it["rows"],
+                                         tree)), f"table {table.label}")
     return (np.asarray(roofline_seconds(hardware, model, it["query_tokens"], it["context_sum"], it["rows"])),
             f"roofline {hardware.name} x {model.name}")
 

@@ -290,6 +290,7 @@ class Scheduler:
                           "context_max": max(ctx), "draft_tokens": sum(draft_lens[i] for i in group),
                           "draft_budget": -1 if state.cap is None else state.cap, "group": group,
                           "prefill": any(len(rows[i].pending) > 1 for i in group),
+                          "tree_block": widest > 1 and any(d.parents is not None for d in g_drafts),  # an ancestor mask
                           "forward_s": result.forward_s, "verify_s": result.verify_s})
         now = self.clock() - t0
         self.backend.commit(rows, verdicts)

@@ -50,8 +50,16 @@ TIMING_VERSION = 5  # bump when what a timed pass covers changes: cached tables 
 AUTO_REPEATS = 5
 
 
+def tree_parents(k: int) -> list[int]:
+    """The tree draft a profile times: two chains from the root, of k // 2 and the rest (the tree
+    drafters' drafts are mostly deep chains that branch near the root; the ancestor mask's cost
+    follows the depth). Example: k = 5 -> [-1, 0, -1, 2, 3]."""
+    first = k // 2
+    return ([-1] + list(range(first - 1)) if first else []) + [-1] + list(range(first, k - 1))
+
+
 def time_forward(engine: TimedEngine, rows: int, queries: Sequence[int], context: int,
-                 repeats: int = 5, interleaved: bool = False) -> dict[int, list[float]]:
+                 repeats: int = 5, interleaved: bool = False, tree: bool = False) -> dict[int, list[float]]:
     """Seconds of ``repeats`` forward passes for each query width over one prefilled context,
     each width's passes one after another after an untimed one: {query: [seconds, ...]}.
 
@@ -66,7 +74,10 @@ def time_forward(engine: TimedEngine, rows: int, queries: Sequence[int], context
     policy's table (``cached_latency_table``). With it the main job's drafting methods measured
     1.09-1.31x under throughput_optimal (medians of 18 runs), with a back-to-back table
     1.06-1.21x (24 runs), results/LOG.md; the policy weighs plain passes against drafted ones,
-    which in the engine follow passes of other shapes."""
+    which in the engine follow passes of other shapes.
+
+    ``tree``: each row's draft is a tree (``tree_parents``), so the block is built with its ancestor
+    mask, as a tree drafter's passes are (``profile(trees=True)``)."""
     width = max(queries)
     gen = torch.Generator().manual_seed(rows * 1_000_003 + context)
     vocab = engine.model.config.vocab_size
@@ -79,7 +90,8 @@ def time_forward(engine: TimedEngine, rows: int, queries: Sequence[int], context
         _forward(engine, live, [Draft() for _ in live], cache)  # prefill the context (untimed)
         for row in live:
             row.cached, row.pending = context - 1, [row.pending[-1]]
-        drafts = {q: [Draft(toks[context:context + q - 1]) for toks in tokens] for q in queries}
+        drafts = {q: [Draft(toks[context:context + q - 1], tree_parents(q - 1) if tree and q > 1 else None)
+                      for toks in tokens] for q in queries}
         order = ([(rep, q) for rep in range(repeats + 1) for q in queries] if interleaved else
                  [(rep, q) for q in queries for rep in range(repeats + 1)])
         for rep, query in order:
@@ -161,10 +173,11 @@ def robust_seconds(frame):
 
 def profile(engine, rows: Sequence[int] = DEFAULT_ROWS, query: Sequence[int] = DEFAULT_QUERY,
             context: Sequence[int] = DEFAULT_CONTEXT, repeats: int = 5, progress: bool = True,
-            interleaved: bool = False) -> pd.DataFrame:
+            interleaved: bool = False, trees: bool = False) -> pd.DataFrame:
     """Time the loaded engine's forward pass over the grid; one row per grid point (median).
     ``interleaved``: the widths timed in turn (the speculation policy's table), not back to back
-    (``bench.engines.torch.timing.time_forward``)."""
+    (``bench.engines.torch.timing.time_forward``). ``trees``: every point timed a second time with
+    tree drafts (column ``tree`` 1; query 1 has no draft, so its tree row is the chain's)."""
     from tqdm.auto import tqdm
 
     from bench.report.results import environment
@@ -179,9 +192,12 @@ def profile(engine, rows: Sequence[int] = DEFAULT_ROWS, query: Sequence[int] = D
         # kernels chosen at a first call) land on no grid point; the first point measured 1.5x its neighbours
         time_forward(engine, grid[0][0], list(query), grid[0][1], repeats)
     for r, c in tqdm(grid, desc="latency profile", disable=not progress, unit="prefill"):
-        for q, times in time_forward(engine, r, list(query), c, repeats, interleaved).items():
-            out.append({"rows": r, "query": q, "context": c, "seconds": float(np.median(times)),
-                        "seconds_min": float(np.min(times)), "seconds_max": float(np.max(times))})
+        for tree in ((False, True) if trees else (False,)):
+            timed = time_forward(engine, r, list(query), c, repeats, interleaved, tree=tree)
+            for q, times in timed.items():
+                out.append({"rows": r, "query": q, "context": c, "seconds": float(np.median(times)),
+                            "seconds_min": float(np.min(times)), "seconds_max": float(np.max(times)),
+                            **({"tree": int(tree)} if trees else {})})
     frame = pd.DataFrame(out)
     frame["engine"] = engine.name
     frame["hardware"] = hardware
