@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.harness.sim_validate import host_model, main, summary, validate, verify_per_token
+from bench.harness.sim_validate import host_model, main, summary, table_level, validate, verify_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,6 +20,22 @@ def test_host_model_is_fitted_on_the_baseline_alone():
               "other_s": 1.0} for i in range(4)]  # a method's seconds never enter the fit
     a, b = host_model(pd.DataFrame(rows))
     assert a == pytest.approx(1e-3, rel=1e-6) and b == pytest.approx(1e-4, rel=1e-6)
+
+
+def test_the_tables_level_is_the_baselines_measured_over_profiled_seconds():
+    from bench.spec.latency import LatencyTable
+    frame = pd.DataFrame([{"rows": r, "query": q, "context": c, "seconds": 1e-4 * r * q, "tree": t}
+                          for r in (1, 4) for q in (1, 5) for c in (16, 64) for t in (0, 1)])
+    table = LatencyTable(frame, "hand-made")
+    shape = {"rows": [4, 1], "block_tokens": [4, 5], "query_tokens": [4, 5], "context_sum": [64, 16],
+             "tree_block": [False, True]}  # priced 4e-4 and 5e-4
+    it = pd.DataFrame({**shape, "method": ["baseline"] * 2, "forward_s": [8e-4, 1e-3]})
+    it = pd.concat([it, it.assign(method="tree_cache", forward_s=1.0)])  # a method's seconds never enter it
+    assert table_level(it, table) == pytest.approx(2.0, rel=1e-9)
+    doubled = table.scaled(2.0)
+    assert doubled.seconds([4, 1], [1, 5], [64, 16], tree=[False, True]) == pytest.approx([8e-4, 1e-3], rel=1e-9)
+    with pytest.raises(Exception, match="positive factor"):
+        table.scaled(0.0)
 
 
 def test_the_verifier_costs_something_per_accepted_token():

@@ -10,8 +10,12 @@ price of it. A simulated iteration costs the table's seconds for each pass, the 
 measured in the simulation (the same drafter code, on this machine), and the engine's host
 seconds (verifier and bookkeeping), which the simulator does not run: modelled as a + b x live
 rows, fitted on the run's *baseline* iterations, plus c x accepted tokens, the verifier timed alone
-here (``verify_per_token``); never fitted on the methods it predicts. Prints, per method, the median over steps
-of |predicted - measured| / measured speedup; exit status 1 above ``--tolerance``.
+here (``verify_per_token``); never fitted on the methods it predicts. The table's level is taken from
+the baseline too (``table_level``): a profile times each shape in a tight loop, while a run's passes
+follow drafter and verifier work that leaves the caches cold, so every pass of a run measures about
+the same factor dearer (1.5-1.7x on the search model here, results/LOG.md); ``--no-level`` prices
+through the table as profiled. Prints, per method, the median over steps of |predicted - measured| /
+measured speedup; exit status 1 above ``--tolerance``.
 """
 from __future__ import annotations
 
@@ -37,6 +41,17 @@ def host_model(iterations: pd.DataFrame) -> tuple[float, float]:
         raise UserError("the run's baseline logged fewer than 3 decoding iterations: too few to fit host seconds")
     b, a = np.polyfit(per["rows"].to_numpy(float), (per["verify_s"] + per["other_s"]).to_numpy(), 1)
     return max(float(a), 0.0), max(float(b), 0.0)
+
+
+def table_level(iterations: pd.DataFrame, table) -> float:
+    """The run's baseline forward seconds over the table's price of the same passes: the factor by
+    which this run's passes were dearer than the profile's (the baseline's passes only)."""
+    from bench.spec.latency import pass_seconds
+    base = iterations[iterations["method"] == "baseline"]
+    if base.empty:
+        raise UserError("the run's baseline logged no passes: the table's level needs them")
+    priced, _ = pass_seconds(base, table)
+    return float(base["forward_s"].sum() / priced.sum())
 
 
 def verify_per_token(vocab: int, sampling=None, tokens: int = 64, repeats: int = 20) -> float:
@@ -74,7 +89,7 @@ def verify_per_token(vocab: int, sampling=None, tokens: int = 64, repeats: int =
     return max(run(tokens) - run(0), 0.0) / tokens
 
 
-def validate(run_dir: Path, table_path: Path, jobs: int = 1) -> pd.DataFrame:
+def validate(run_dir: Path, table_path: Path, jobs: int = 1, level: bool = True) -> pd.DataFrame:
     """Per (step, method): measured and predicted speedup and the relative error."""
     from bench.spec.latency import LatencyTable, predict_iterations
     from bench.report.results import load_iterations, load_run
@@ -84,6 +99,8 @@ def validate(run_dir: Path, table_path: Path, jobs: int = 1) -> pd.DataFrame:
     _, _, _, steps = load_run(run_dir)
     eng_it = load_iterations(run_dir)
     table = LatencyTable.read(table_path)
+    scale = table_level(eng_it, table) if level else 1.0
+    table = table.scaled(scale)
     from omegaconf import OmegaConf
 
     from bench.harness.sim_methods import SimulationError, check_simulable
@@ -123,7 +140,7 @@ def validate(run_dir: Path, table_path: Path, jobs: int = 1) -> pd.DataFrame:
     base = out[out["method"] == "baseline"].set_index("step")["wall_s"]
     out["measured_speedup"] = out["step"].map(base) / out["wall_s"]
     out["error"] = (out["predicted_speedup"] - out["measured_speedup"]).abs() / out["measured_speedup"]
-    out.attrs.update(host_a=a, host_b=b, verify_per_token=per_token, skipped=skipped)
+    out.attrs.update(host_a=a, host_b=b, verify_per_token=per_token, skipped=skipped, table_level=scale)
     return out
 
 
@@ -147,16 +164,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--table", type=Path, required=True, help="a latency table of this machine and model")
     ap.add_argument("--tolerance", type=float, default=0.10, help="largest median error accepted (default 0.10)")
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--level", action=argparse.BooleanOptionalAction, default=True,
+                    help="level the table by the baseline's measured passes (default; --no-level: as profiled)")
     ap.add_argument("--out", type=Path, help="write the per-step table (.csv)")
     args = ap.parse_args(argv)
 
     def go() -> None:
         if not (args.run / "config.yaml").is_file():
             raise UserError(f"{args.run}: not a run folder (no config.yaml); run python -m bench.harness.cli first")
-        per = validate(args.run, args.table, args.jobs)
+        per = validate(args.run, args.table, args.jobs, args.level)
         table = summary(per)
         print(f"host model from the baseline: {per.attrs['host_a'] * 1e3:.3f} ms + {per.attrs['host_b'] * 1e6:.2f} us"
-              f" x live rows an iteration; verifier {per.attrs['verify_per_token'] * 1e6:.2f} us an accepted token")
+              f" x live rows an iteration; verifier {per.attrs['verify_per_token'] * 1e6:.2f} us an accepted token;"
+              f" the table's passes x {per.attrs['table_level']:.3f} (the baseline's measured over profiled)")
         print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
         if per.attrs["skipped"]:
             print(f"not simulable, left out: {', '.join(per.attrs['skipped'])} (the lossy rule, run-ahead)")

@@ -107,6 +107,14 @@ class LatencyTable:
             out += weight * self.log_seconds[tuple(index)]
         return np.exp(out)
 
+    def scaled(self, factor: float) -> "LatencyTable":
+        """The same table with every pass ``factor`` times dearer (its tree grid too): a table timed
+        in a tight loop, levelled to what the passes of a run measured (``bench.harness.sim_validate``)."""
+        if not factor > 0:
+            raise UserError(f"a latency table can only be scaled by a positive factor, got {factor}")
+        out = LatencyTable(self.frame.assign(seconds=self.frame["seconds"] * factor), self.source)
+        out.trees = self.trees.scaled(factor) if self.trees is not None else None
+        return out
 
     def beyond(self, rows, query, context, factor: float = 1.5) -> np.ndarray:
         """Which shapes lie more than ``factor`` past the grid's largest point on some axis: their
