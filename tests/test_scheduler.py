@@ -25,7 +25,7 @@ from methods.seer import SeerDrafter
 from methods.tree_cache import TreeCacheDrafter
 
 SHAPE = ["iteration", "call", "live_rows", "rows", "run_ahead_rows", "query_tokens", "block_tokens",
-         "context_sum", "context_max", "draft_tokens", "draft_budget", "accepted_tokens"]
+         "context_sum", "context_max", "draft_tokens", "draft_budget", "accepted_tokens", "nodes_read"]
 COUNTERS = ["token_ids", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
             "num_forward_passes", "finish_reason"]
 

@@ -8,18 +8,36 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.harness.sim_validate import host_model, main, summary, table_level, validate, verify_per_token
+from bench.harness.sim_validate import (HostModel, drafter_level, host_model, main, summary, table_level, validate,
+                                        verifier_costs)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_host_model_is_fitted_on_the_baseline_alone():
-    rows = [{"method": "baseline", "step": 0, "iteration": i, "call": 0, "live_rows": r,
-             "verify_s": 1e-4 * r, "other_s": 1e-3} for i, r in enumerate([8, 8, 6, 4, 2, 1])]
-    rows += [{"method": "tree_cache", "step": 0, "iteration": i, "call": 0, "live_rows": 8, "verify_s": 1.0,
+    rows = [{"method": "baseline", "step": 0, "iteration": i, "call": 0, "rows": r, "live_rows": r,
+             "verify_s": 2e-4 + 1e-4 * r, "other_s": 1e-3 + 1e-5 * r} for i, r in enumerate([8, 8, 6, 4, 2, 1])]
+    rows += [{"method": "tree_cache", "step": 0, "iteration": i, "call": 0, "rows": 8, "live_rows": 8, "verify_s": 1.0,
               "other_s": 1.0} for i in range(4)]  # a method's seconds never enter the fit
-    a, b = host_model(pd.DataFrame(rows))
-    assert a == pytest.approx(1e-3, rel=1e-6) and b == pytest.approx(1e-4, rel=1e-6)
+    host = host_model(pd.DataFrame(rows))
+    assert (host.verify_a, host.verify_b, host.other_a, host.other_b) == pytest.approx((2e-4, 1e-4, 1e-3, 1e-5), rel=1e-6)
+
+
+def test_a_hand_made_schedule_gets_its_hand_computed_host_seconds():
+    host = HostModel(verify_a=1e-3, verify_b=1e-4, other_a=2e-3, other_b=1e-5, per_node=1e-6, per_accepted=1e-7)
+    it = pd.DataFrame({"call": [0, 1, 0], "rows": [4, 2, 3], "live_rows": [6, 6, 3], "nodes_read": [4, 22, 33],
+                       "accepted_tokens": [0, 5, 9]})
+    # pass 1: a plain pass and its iteration's rest; pass 2: the second group, 20 further nodes read;
+    # pass 3: 30 further nodes and 9 accepted tokens
+    expected = [1e-3 + 4e-4 + 2e-3 + 6e-5, 1e-3 + 2e-4 + 20e-6 + 5e-7, 1e-3 + 3e-4 + 30e-6 + 9e-7 + 2e-3 + 3e-5]
+    assert host.seconds(it) == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_drafters_level_is_the_baselines_run_over_simulated_seconds():
+    run = pd.DataFrame({"method": ["baseline", "baseline", "baseline", "das"], "step": [1, 1, 2, 1],
+                        "drafter_s": [2e-3, 1e-3, 5e-3, 9.0]})
+    sim = pd.DataFrame({"method": ["baseline", "baseline", "das"], "step": [1, 2, 1], "drafter_s": [1e-3, 5e-3, 1.0]})
+    assert drafter_level(run, sim) == pytest.approx({1: 3.0, 2: 1.0})  # the methods' seconds never enter it
 
 
 def test_the_tables_level_is_the_baselines_measured_over_profiled_seconds():
@@ -38,9 +56,10 @@ def test_the_tables_level_is_the_baselines_measured_over_profiled_seconds():
         table.scaled(0.0)
 
 
-def test_the_verifier_costs_something_per_accepted_token():
+def test_the_verifier_costs_something_per_node_read():
     from bench.core.sampling import SamplingConfig
-    assert 0 < verify_per_token(145, SamplingConfig(temperature=1.0), tokens=32, repeats=5) < 1e-2
+    per_node, per_accepted = verifier_costs(145, SamplingConfig(temperature=1.0), repeats=5)
+    assert 0 < per_node < 1e-3 and 0 <= per_accepted < 1e-3
 
 
 @pytest.mark.slow

@@ -205,9 +205,23 @@ def test_windowed_verification_gives_the_unwindowed_verdict(sampling, monkeypatc
             got = verify_mod.verify_nodes(logits_at, 30, drafts, keys, [case, 0, 7], sampling, verify)
             assert [(v.emitted, v.path, v.logprobs, v.margins) for v in got] == \
                 [(v.emitted, v.path, v.logprobs, v.margins) for v in whole]
-            # windows double from ``window``: a row reads at most about twice the nodes its verdict needs
+            # windows double from ``window``: a row reads at most about twice the nodes its verdict needs,
+            # and exactly what ``nodes_read`` counts from its draft's length and its verdict's path
             assert sum(read) <= sum(min(1 + len(d), 2 * len(v.path) + window) for d, v in zip(drafts, whole))
+            assert sum(read) == sum(verify_mod.nodes_read(len(d), v.path, window, rule == "ratio")
+                                   for d, v in zip(drafts, whole))
     assert longest > 10  # the cases do run past the small windows
+
+
+def test_nodes_read_counts_the_windows_of_a_path():
+    from bench.core.verify import nodes_read
+    assert nodes_read(0, [0]) == 1 and nodes_read(31, [0]) == 32  # one window: every node, rejected ones too
+    assert nodes_read(100, [0, 1, 2], window=32) == 32  # rejected in the first window: it alone
+    assert nodes_read(100, list(range(33)), window=32) == 32 + 64  # past it: the next window, twice as long
+    assert nodes_read(100, list(range(101)), window=32) == 101  # accepted whole: every node once
+    assert nodes_read(10, [0, 6, 7], window=4) == 4 + 5  # a tree's path jumps to a later branch (node 6): 4, 5 unread
+    # the ratio rule reads on while every node read was accepted, though the next token is then rejected
+    assert nodes_read(10, [0, 1, 2, 3], window=4) == 4 and nodes_read(10, [0, 1, 2, 3], window=4, ratio=True) == 4 + 7
 
 
 @pytest.mark.parametrize("sampling", [T1, SamplingConfig(top_p=0.8, temperature=0.7), SamplingConfig(temperature=0)],

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -185,6 +185,32 @@ WINDOW = 32
 MAX_WINDOW = 512
 
 LogitsAt = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def nodes_read(draft_len: int, path: Sequence[int], window: int = WINDOW, ratio: bool = False) -> int:
+    """How many nodes' logits :func:`verify_nodes` reads for one row: a draft of ``draft_len``
+    tokens whose verdict took ``path`` (its local nodes, root first; parents precede children, so
+    a path increases). What the verifier's host work follows: every node of a window is read, the
+    rejected ones too. Exact for chains and trees under every rule (the windows' ends and the path
+    decide it; ``ratio``: the ratio rule, which reads on whenever every node read so far was
+    accepted), so the simulator, whose paths are the engine's, counts what the engine reads."""
+    n = 1 + draft_len
+    if n <= window:
+        return n
+    reads, start, i, last = 0, 0, 0, len(path) - 1
+    cap = max(MAX_WINDOW, window)
+    while True:
+        end = min(n, start + window)
+        reads += end - start
+        while i < last and path[i + 1] < end:
+            i += 1
+        if ratio and path[i] == end - 1 and draft_len >= end:
+            start = end
+        elif i < last:
+            start = path[i + 1]
+        else:
+            return reads
+        window = min(2 * window, cap)
 
 
 @dataclass

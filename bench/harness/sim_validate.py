@@ -8,19 +8,22 @@ simulator's schedule of the same steps, priced by a latency table profiled here.
 The simulated schedule is the engine's (``bench.harness.sim_check``), so what is validated here is the
 price of it. A simulated iteration costs the table's seconds for each pass, the drafter's seconds
 measured in the simulation (the same drafter code, on this machine), and the engine's host
-seconds (verifier and bookkeeping), which the simulator does not run: modelled as a + b x live
-rows, fitted on the run's *baseline* iterations, plus c x accepted tokens, the verifier timed alone
-here (``verify_per_token``); never fitted on the methods it predicts. The table's level is taken from
-the baseline too (``table_level``): a profile times each shape in a tight loop, while a run's passes
+seconds (verifier and bookkeeping), which the simulator does not run: ``HostModel``, its
+intercepts and slopes fitted on the run's *baseline* iterations, its price of each further node
+the verifier reads (the simulated passes count them: ``nodes_read``) and of each accepted token
+the verifier timed alone here (``verifier_costs``); never fitted on the methods it predicts. The
+table's level is taken from the baseline too (``table_level``): a profile times each shape in a tight loop, while a run's passes
 follow drafter and verifier work that leaves the caches cold, so every pass of a run measures about
-the same factor dearer (1.5-1.7x on the search model here, results/LOG.md); ``--no-level`` prices
-through the table as profiled. Prints, per method, the median over steps of |predicted - measured| /
+the same factor dearer (1.5-1.7x on the search model here, results/LOG.md); so is the drafters'
+(``drafter_level``: the simulator runs them in a tight loop too, 2-3x cheaper there). ``--no-level`` prices
+as timed. Prints, per method, the median over steps of |predicted - measured| /
 measured speedup; exit status 1 above ``--tolerance``.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,17 +33,51 @@ import yaml
 from bench.core.errors import UserError, run_main
 
 
-def host_model(iterations: pd.DataFrame) -> tuple[float, float]:
-    """(a, b): the engine's verifier and bookkeeping seconds of an iteration as a + b x live rows,
-    least squares over the baseline's decoding iterations (its first pass of a call, the prefill,
-    left out)."""
-    base = iterations[(iterations["method"] == "baseline") & (iterations["iteration"] > 0)]
-    per = base.groupby(["step", "iteration"]).agg(rows=("live_rows", "first"), verify_s=("verify_s", "sum"),
-                                                  other_s=("other_s", "sum"))
-    if len(per) < 3:
-        raise UserError("the run's baseline logged fewer than 3 decoding iterations: too few to fit host seconds")
-    b, a = np.polyfit(per["rows"].to_numpy(float), (per["verify_s"] + per["other_s"]).to_numpy(), 1)
+@dataclass(frozen=True)
+class HostModel:
+    """The engine's host seconds (verifier and bookkeeping), which the simulator does not run.
+
+    A pass's verifier: ``verify_a + verify_b x rows`` (one call, one plain read a row), then
+    ``per_node`` for every further node it reads (``nodes_read``: the windows' nodes, rejected
+    ones too) and ``per_accepted`` for every accepted token (the descent, the verdict). The rest
+    of an iteration: ``other_a + other_b x live rows``. The four intercepts and slopes are fitted
+    on the run's baseline (one pass an iteration, one read a row); the per-node and per-token
+    prices are the verifier timed alone here (``verifier_costs``)."""
+
+    verify_a: float
+    verify_b: float
+    other_a: float
+    other_b: float
+    per_node: float = 0.0
+    per_accepted: float = 0.0
+
+    def seconds(self, it: pd.DataFrame) -> np.ndarray:
+        """Host seconds of each logged pass (the rest of its iteration on its first)."""
+        rows = it["rows"].to_numpy(float)
+        extra = np.maximum(it["nodes_read"].fillna(it["rows"]).to_numpy(float) - rows, 0.0)
+        first = it["call"].to_numpy() == 0
+        return (self.verify_a + self.verify_b * rows + self.per_node * extra
+                + self.per_accepted * it["accepted_tokens"].to_numpy(float)
+                + np.where(first, self.other_a + self.other_b * it["live_rows"].to_numpy(float), 0.0))
+
+
+def _line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    b, a = np.polyfit(x.astype(float), y, 1)
     return max(float(a), 0.0), max(float(b), 0.0)
+
+
+def host_model(iterations: pd.DataFrame) -> HostModel:
+    """The baseline's part of :class:`HostModel`, least squares over its decoding iterations (its
+    first pass of a call, the prefill, left out): verify_s on the pass's rows, other_s on the
+    iteration's live rows."""
+    base = iterations[(iterations["method"] == "baseline") & (iterations["iteration"] > 0)]
+    if base[["step", "iteration"]].drop_duplicates().shape[0] < 3:
+        raise UserError("the run's baseline logged fewer than 3 decoding iterations: too few to fit host seconds")
+    rows = base["rows"] if "rows" in base else base["live_rows"]
+    verify_a, verify_b = _line(rows.to_numpy(), base["verify_s"].to_numpy())
+    first = base[base["call"] == 0]
+    other_a, other_b = _line(first["live_rows"].to_numpy(), first["other_s"].to_numpy())
+    return HostModel(verify_a, verify_b, other_a, other_b)
 
 
 def table_level(iterations: pd.DataFrame, table) -> float:
@@ -54,11 +91,25 @@ def table_level(iterations: pd.DataFrame, table) -> float:
     return float(base["forward_s"].sum() / priced.sum())
 
 
-def verify_per_token(vocab: int, sampling=None, tokens: int = 64, repeats: int = 20) -> float:
-    """Seconds the verifier spends per accepted draft token beyond a plain row, timed here on random
-    logits of the model's vocabulary under the run's sampling and the exact rule, with a draft it
-    accepts whole (the verifier reads a chain's nodes until its first rejection, so its cost follows
-    the accepted tokens): the draft is the coupled samples themselves, found one verification at a time."""
+def drafter_level(engine_it: pd.DataFrame, simulated_it: pd.DataFrame) -> dict[int, float]:
+    """Per step, the baseline's drafter seconds in the run over the same drafter's in the
+    simulation: the factor by which the drafter code's host work ran dearer between the engine's
+    passes (caches cold, other methods interleaved) than in the simulator's tight loop. The
+    baseline's (a null drafter's bookkeeping) only; 1.0 where a step's simulation timed none."""
+    def per_step(it: pd.DataFrame) -> pd.Series:
+        return it[it["method"] == "baseline"].groupby("step")["drafter_s"].sum()
+    run, sim = per_step(engine_it), per_step(simulated_it)
+    return {int(k): float(run[k] / sim[k]) if sim.get(k, 0) > 0 and k in run else 1.0 for k in sim.index}
+
+
+def verifier_costs(vocab: int, sampling=None, tokens: int | None = None, rows: int = 4,
+                   repeats: int = 50) -> tuple[float, float]:
+    """(per node read, per accepted token): the verifier's seconds beyond a plain row, timed here on
+    random logits of the model's vocabulary under the run's sampling and the exact rule. A batch of
+    ``rows`` rows, each with a draft of ``tokens`` tokens (default: one window less its root, every
+    node read at once), against the same rows undrafted: rejected at the first node (the reads
+    alone) and accepted whole (the reads and the descent); the accepted drafts are the coupled
+    samples themselves, found one verification at a time. Fastest of ``repeats``."""
     import time
     from dataclasses import replace
 
@@ -67,26 +118,31 @@ def verify_per_token(vocab: int, sampling=None, tokens: int = 64, repeats: int =
     from methods.base import Draft
 
     from bench.core.sampling import SamplingConfig
-    from bench.core.verify import VerifyConfig, verify_nodes
+    from bench.core.verify import WINDOW, VerifyConfig, verify_nodes
+    tokens = WINDOW - 1 if tokens is None else tokens
     sampling = replace(sampling or SamplingConfig(), max_new_tokens=tokens + 1)
-    keys = torch.zeros(1, dtype=torch.int64)
-    logits = torch.randn(1, tokens + 1, vocab)
+    keys = torch.arange(rows, dtype=torch.int64)
+    logits = torch.randn(rows, tokens + 1, vocab)
 
-    def verify(draft: list[int]):
-        return verify_nodes(lambda b, j: logits[b, j], vocab, [Draft(token_ids=draft)], keys, [0], sampling,
-                            VerifyConfig())[0]
-    draft: list[int] = []
+    def verify(drafts: list[list[int]]):
+        return verify_nodes(lambda b, j: logits[b, j], vocab, [Draft(token_ids=d) for d in drafts], keys,
+                            [0] * rows, sampling, VerifyConfig())
+    accepted: list[list[int]] = [[] for _ in range(rows)]
     for _ in range(tokens):  # every node accepted: the next token is the one the rule samples there
-        draft.append(verify(draft).emitted[-1])
+        for d, v in zip(accepted, verify(accepted)):
+            d.append(v.emitted[-1])
+    rejected = [[(d[0] + 1) % vocab] + d[1:] for d in accepted]
 
-    def run(k: int) -> float:
-        best = float("inf")
+    def best(drafts: list[list[int]]) -> float:
+        out = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            verify(draft[:k])
-            best = min(best, time.perf_counter() - t0)
-        return best
-    return max(run(tokens) - run(0), 0.0) / tokens
+            verify(drafts)
+            out = min(out, time.perf_counter() - t0)
+        return out
+    plain, reads, whole = best([[] for _ in range(rows)]), best(rejected), best(accepted)
+    n = tokens * rows
+    return max(reads - plain, 0.0) / n, max(whole - reads, 0.0) / n
 
 
 def validate(run_dir: Path, table_path: Path, jobs: int = 1, level: bool = True) -> pd.DataFrame:
@@ -128,19 +184,20 @@ def validate(run_dir: Path, table_path: Path, jobs: int = 1, level: bool = True)
     rows = simulate(recorded, prompts, cfgs, max_new, policy=policy, spec_max_rows=int(engine.get("spec_max_rows", 32)),
                     run_steps=sorted(set(steps["step"])), jobs=jobs)
     it = rows.attrs["iterations"]
-    a, b = host_model(eng_it)
     from bench.core.sampling import SamplingConfig
-    per_token = verify_per_token(_vocab(config), SamplingConfig(**{k: v for k, v in config["sampling"].items()
-                                                                   if k != "n"}))
-    it = it.assign(host_model_s=np.where(it["call"] == 0, a + b * it["live_rows"], 0.0)
-                   + per_token * it["accepted_tokens"])
-    pred = predict_iterations(it, table, host_columns=("drafter_s", "host_model_s"))
+    per_node, per_accepted = verifier_costs(_vocab(config), SamplingConfig(**{k: v for k, v in config["sampling"].items()
+                                                                              if k != "n"}))
+    host = replace(host_model(eng_it), per_node=per_node, per_accepted=per_accepted)
+    drafter = drafter_level(eng_it, it) if level else {}
+    it = it.assign(host_model_s=host.seconds(it),
+                   drafter_levelled_s=it["drafter_s"].fillna(0.0) * it["step"].map(drafter).fillna(1.0))
+    pred = predict_iterations(it, table, host_columns=("drafter_levelled_s", "host_model_s"))
     meas = steps[steps["method"].isin(methods)][["step", "method", "wall_s"]]
     out = pred.merge(meas, on=["step", "method"])
     base = out[out["method"] == "baseline"].set_index("step")["wall_s"]
     out["measured_speedup"] = out["step"].map(base) / out["wall_s"]
     out["error"] = (out["predicted_speedup"] - out["measured_speedup"]).abs() / out["measured_speedup"]
-    out.attrs.update(host_a=a, host_b=b, verify_per_token=per_token, skipped=skipped, table_level=scale)
+    out.attrs.update(host=host, skipped=skipped, table_level=scale, drafter_level=drafter)
     return out
 
 
@@ -165,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tolerance", type=float, default=0.10, help="largest median error accepted (default 0.10)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--level", action=argparse.BooleanOptionalAction, default=True,
-                    help="level the table by the baseline's measured passes (default; --no-level: as profiled)")
+                    help="level the table and the drafters' seconds by the baseline's (default; --no-level: as timed)")
     ap.add_argument("--out", type=Path, help="write the per-step table (.csv)")
     args = ap.parse_args(argv)
 
@@ -174,9 +231,15 @@ def main(argv: list[str] | None = None) -> None:
             raise UserError(f"{args.run}: not a run folder (no config.yaml); run python -m bench.harness.cli first")
         per = validate(args.run, args.table, args.jobs, args.level)
         table = summary(per)
-        print(f"host model from the baseline: {per.attrs['host_a'] * 1e3:.3f} ms + {per.attrs['host_b'] * 1e6:.2f} us"
-              f" x live rows an iteration; verifier {per.attrs['verify_per_token'] * 1e6:.2f} us an accepted token;"
+        h = per.attrs["host"]
+        print(f"host model from the baseline: verifier {h.verify_a * 1e3:.3f} ms + {h.verify_b * 1e6:.2f} us x rows a"
+              f" pass, the rest {h.other_a * 1e3:.3f} ms + {h.other_b * 1e6:.2f} us x live rows an iteration; timed"
+              f" here: {h.per_node * 1e6:.2f} us a further node read, {h.per_accepted * 1e6:.2f} us an accepted token;"
               f" the table's passes x {per.attrs['table_level']:.3f} (the baseline's measured over profiled)")
+        if per.attrs["drafter_level"]:
+            print("the simulated drafters' seconds x " + ", ".join(f"{v:.2f} (step {k})" for k, v in
+                                                                 per.attrs["drafter_level"].items())
+                  + " (the baseline's drafter in the run over in the simulation)")
         print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
         if per.attrs["skipped"]:
             print(f"not simulable, left out: {', '.join(per.attrs['skipped'])} (the lossy rule, run-ahead)")

@@ -71,6 +71,7 @@ ITERATION_SCHEMA: dict[str, pa.DataType] = {
     "context_max": pa.int64(), "draft_tokens": pa.int64(), "accepted_tokens": pa.int64(),
     "draft_budget": pa.int64(), "forward_s": pa.float64(), "verify_s": pa.float64(),
     "drafter_s": pa.float64(), "other_s": pa.float64(), "tree_block": pa.bool_(),
+    "nodes_read": pa.int64(),
 }
 ROLLOUTS_DIR, STEPS_DIR, DRAFTERS_DIR = "rollouts.parquet", "steps.parquet", "drafters"
 ITERATIONS_DIR = "iterations.parquet"

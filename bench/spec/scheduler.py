@@ -25,7 +25,7 @@ from bench.core.drafting import (DraftCounters, drafts_mode, next_draft, refuse_
 from bench.core.engine_protocol import Request, RunAheadSource, request_key64
 from bench.core.sampling import SamplingConfig
 from bench.spec.policy import SpecPolicy
-from bench.core.verify import Verdict, VerifyConfig
+from bench.core.verify import Verdict, VerifyConfig, nodes_read
 from bench.spec.groups import forward_groups
 
 
@@ -297,8 +297,11 @@ class Scheduler:
         accepted = [self._settle(row, d, v, stops, now, drafter, state, f)
                     for row, d, v, f in zip(rows, drafts, verdicts, features)]
         state.prefill = [call.pop("prefill") for call in calls]
+        ratio = verify.rule == "ratio"
         for call in calls:
-            call["accepted_tokens"] = sum(accepted[i] for i in call.pop("group"))
+            group = call.pop("group")
+            call["accepted_tokens"] = sum(accepted[i] for i in group)
+            call["nodes_read"] = sum(nodes_read(draft_lens[i], verdicts[i].path, ratio=ratio) for i in group)
         return calls
 
     def _settle(self, row: LiveRow, d: Draft, v: Verdict, stops: set[int], now: float, drafter: Drafter,
