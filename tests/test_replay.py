@@ -329,6 +329,10 @@ def test_every_method_config_is_in_the_main_job():
     names = sorted(p.stem for p in (Path(CONF_DIR) / "method").glob("*.yaml") if p.stem not in CONTROLS)
     assert sorted(cfg_for().method) == names
     assert set(cfg_for("experiment=smollm2").method) == set(names) | CONTROLS
+    copying = cfg_for("experiment=smollm2_copying")  # every method whose drafter is one of methods/'
+    assert set(copying.method) == {m for m, c in cfg_for("experiment=smollm2").method.items()
+                                   if c.drafter._target_.startswith("methods.")}
+    assert copying.interleave is True and copying.steps == [19] and "baseline_again" in copying.method
 
 
 def test_missing_engine_names_what_to_do(tmp_path):
