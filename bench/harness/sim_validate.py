@@ -12,12 +12,12 @@ seconds (verifier and bookkeeping), which the simulator does not run: ``HostMode
 intercepts and slopes fitted on the run's *baseline* iterations, its price of each further node
 the verifier reads (the simulated passes count them: ``nodes_read``) and of each accepted token
 the verifier timed alone here (``verifier_costs``); never fitted on the methods it predicts. The
-table's level is taken from the baseline too (``table_level``): a profile times each shape in a tight loop, while a run's passes
-follow drafter and verifier work that leaves the caches cold, so every pass of a run measures about
-the same factor dearer (1.5-1.7x on the search model here, results/LOG.md); so is the drafters'
-(``drafter_level``: the simulator runs them in a tight loop too, 2-3x cheaper there). ``--no-level`` prices
-as timed. Prints, per method, the median over steps of |predicted - measured| /
-measured speedup; exit status 1 above ``--tolerance``.
+table's level is taken from the baseline too (``table_level``): a profile times each shape in a
+tight loop, while a run's passes follow drafter and verifier work that leaves the caches cold, so
+every pass of a run measures about the same factor dearer (1.5-1.7x on the search model here,
+results/LOG.md); so is the drafters' (``drafter_level``: the simulator runs them in a tight loop
+too, 2-3x cheaper there). ``--no-level`` prices as timed. Prints, per method, the median over
+steps of |predicted - measured| / measured speedup; exit status 1 above ``--tolerance``.
 """
 from __future__ import annotations
 
@@ -54,7 +54,8 @@ class HostModel:
     def seconds(self, it: pd.DataFrame) -> np.ndarray:
         """Host seconds of each logged pass (the rest of its iteration on its first)."""
         rows = it["rows"].to_numpy(float)
-        extra = np.maximum(it["nodes_read"].fillna(it["rows"]).to_numpy(float) - rows, 0.0)
+        read = it["nodes_read"].fillna(it["rows"]) if "nodes_read" in it else it["rows"]  # older logs: none
+        extra = np.maximum(read.to_numpy(float) - rows, 0.0)
         first = it["call"].to_numpy() == 0
         return (self.verify_a + self.verify_b * rows + self.per_node * extra
                 + self.per_accepted * it["accepted_tokens"].to_numpy(float)
