@@ -333,6 +333,7 @@ def test_every_method_config_is_in_the_main_job():
     assert set(copying.method) == {m for m, c in cfg_for("experiment=smollm2").method.items()
                                    if c.drafter._target_.startswith("methods.")}
     assert copying.interleave is True and copying.steps == [19] and "baseline_again" in copying.method
+    assert copying.trace == cfg_for("experiment=smollm2").trace and copying.engine.threads == 2
 
 
 def test_missing_engine_names_what_to_do(tmp_path):

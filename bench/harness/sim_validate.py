@@ -74,8 +74,7 @@ def host_model(iterations: pd.DataFrame) -> HostModel:
     base = iterations[(iterations["method"] == "baseline") & (iterations["iteration"] > 0)]
     if base[["step", "iteration"]].drop_duplicates().shape[0] < 3:
         raise UserError("the run's baseline logged fewer than 3 decoding iterations: too few to fit host seconds")
-    rows = base["rows"] if "rows" in base else base["live_rows"]
-    verify_a, verify_b = _line(rows.to_numpy(), base["verify_s"].to_numpy())
+    verify_a, verify_b = _line(base["rows"].to_numpy(), base["verify_s"].to_numpy())
     first = base[base["call"] == 0]
     other_a, other_b = _line(first["live_rows"].to_numpy(), first["other_s"].to_numpy())
     return HostModel(verify_a, verify_b, other_a, other_b)
@@ -112,7 +111,6 @@ def verifier_costs(vocab: int, sampling=None, tokens: int | None = None, rows: i
     alone) and accepted whole (the reads and the descent); the accepted drafts are the coupled
     samples themselves, found one verification at a time. Fastest of ``repeats``."""
     import time
-    from dataclasses import replace
 
     import torch
 
