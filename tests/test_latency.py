@@ -186,3 +186,24 @@ def test_the_policys_table_covers_the_models_contexts():
     assert auto_contexts(32768) == (32, 256, 1024)
     assert auto_contexts(768) == (32, 256, 768 - widest - 1)  # the main job's policy: its longest rows fit
     assert auto_contexts(40) == (40 - widest - 1,)  # a model shorter than the grid: one context
+
+
+def test_appended_shapes_widen_one_grid_and_a_foreign_table_is_refused(tmp_path):
+    from bench.benchmarks.latency import appended
+    meta = {"engine": "torch_ref", "hardware": "cpu x", "threads": 2, "model": "m", "dtype": "float32"}
+
+    def rows_of(tree, queries):
+        return [{"rows": r, "query": q, "context": c, "seconds": (1.5 if tree else 1.0) * 1e-4 * r * q,
+                 "tree": tree, **meta} for r in (1, 4) for q in queries for c in (16, 64)]
+    path = tmp_path / "t.csv"
+    pd.DataFrame(rows_of(0, (1, 5)) + rows_of(1, (1, 5))).to_csv(path, index=False)
+    wide = pd.DataFrame(rows_of(0, (5, 25))).drop(columns=["tree"])  # chains only, one shape timed again
+    wide.loc[wide["query"] == 5, "seconds"] *= 2
+    table = LatencyTable(appended(path, wide), "appended")
+    assert list(table.axes[1]) == [1, 5, 25] and list(table.trees.axes[1]) == [1, 5]
+    assert table.seconds([4], [25], [16]) == pytest.approx([1e-2], rel=1e-9)
+    assert table.seconds([4], [5], [16]) == pytest.approx([4e-3], rel=1e-9)  # the newer timing replaces the old
+    with pytest.raises(UserError, match="threads"):
+        appended(path, wide.assign(threads=1))
+    with pytest.raises(UserError, match="does not exist"):
+        appended(tmp_path / "none.csv", wide)

@@ -30,6 +30,26 @@ def _ints(text: str) -> list[int]:
         raise UserError(f"{text!r} is not a comma-separated list of integers") from exc
 
 
+def appended(path: Path, new):
+    """The table at ``path`` with the newly profiled shapes added (a shape timed again replaces the
+    old one); refused when the two were profiled on a different model, machine, thread count or dtype."""
+    import pandas as pd
+    if not path.exists():
+        raise UserError(f"--append: {path} does not exist; profile it first without --append")
+    old = pd.read_csv(path)
+    for col in ("engine", "hardware", "threads", "model", "dtype"):
+        if col in old and col in new and set(old[col].astype(str)) != set(new[col].astype(str)):
+            raise UserError(f"--append: {path} was profiled with {col} {sorted(set(old[col].astype(str)))}, these "
+                            f"shapes with {sorted(set(new[col].astype(str)))}; write them to a table of their own")
+    if "tree" in new and "tree" not in old:
+        old = old.assign(tree=0)
+    if "tree" in old and "tree" not in new:  # chain shapes added to a table with a tree grid
+        new = new.assign(tree=0)
+    keys = [c for c in ("rows", "query", "context", "tree") if c in new]
+    both = pd.concat([old, new], ignore_index=True)
+    return both.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.benchmarks latency", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -45,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--trees", action="store_true", help="also time every shape with tree drafts (column tree = 1): "
                    "tree drafters' passes are then priced from those")
+    p.add_argument("--append", action="store_true", help="add these shapes to the table already at --out (same "
+                   "model, machine, threads and dtype), e.g. one wider query column for a few wide passes")
     q = sub.add_parser("predict", help="predicted rollout seconds of a run on a table or a roofline")
     q.add_argument("run", type=Path)
     q.add_argument("--table", type=Path)
@@ -70,6 +92,8 @@ def _run(args: argparse.Namespace) -> None:
             engine.load(ckpt)
             frame = profile(engine, _ints(args.rows), _ints(args.query), _ints(args.context), args.repeats,
                             trees=args.trees)
+            if args.append:
+                frame = appended(args.out, frame)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             frame.to_csv(args.out, index=False)
             print(f"wrote {len(frame)} shapes to {args.out} ({frame['model'].iloc[0]}, {frame['hardware'].iloc[0]})")
