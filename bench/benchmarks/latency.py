@@ -88,12 +88,19 @@ def _run(args: argparse.Namespace) -> None:
                 from bench.traces.format import Trace
                 trace = Trace.load(ensure_trace("countdown-search"))
                 ckpt = trace.checkpoint(trace.step_numbers[-1])
+            if args.append and not args.out.exists():  # refused before the profile, not after it
+                raise UserError(f"--append: {args.out} does not exist; profile it first without --append")
             engine = TorchRefEngine(device=args.device, dtype=args.dtype, threads=args.threads)
             engine.load(ckpt)
             frame = profile(engine, _ints(args.rows), _ints(args.query), _ints(args.context), args.repeats,
                             trees=args.trees)
             if args.append:
-                frame = appended(args.out, frame)
+                try:
+                    frame = appended(args.out, frame)
+                except UserError as exc:  # the shapes just timed are kept beside the table
+                    kept = args.out.with_suffix(".new.csv")
+                    frame.to_csv(kept, index=False)
+                    raise UserError(f"{exc} (the shapes timed now are in {kept})") from exc
             args.out.parent.mkdir(parents=True, exist_ok=True)
             frame.to_csv(args.out, index=False)
             print(f"wrote {len(frame)} shapes to {args.out} ({frame['model'].iloc[0]}, {frame['hardware'].iloc[0]})")
