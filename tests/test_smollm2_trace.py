@@ -65,7 +65,22 @@ def test_a_recording_on_the_real_model_is_small_and_replays_exactly(smollm2_trac
     requests = [Request(RolloutKey(p, int(i)), trace.prompts[p], step=step) for p, i in zip(df.prompt_id, df.sample_idx)]
     out = engine.rollout(requests, trace.sampling.to_config(), Baseline(), VerifyConfig())
     engine.close()
-    assert [o.token_ids for o in out] == [list(t) for t in df.token_ids]
+    _assert_reproduces(out, df)
+
+
+def _assert_reproduces(out, df):
+    """A baseline replay against the recorded rollouts: equal token for token on the recording's CPU;
+    another CPU's float32 kernels may part at a near-tie (the first differing token's logit margin
+    under the float32 threshold), never elsewhere."""
+    from bench.core.precision import near_tie_threshold
+    parted = []
+    for o, t in zip(out, df.token_ids):
+        a, b = list(o.token_ids), [int(x) for x in t]
+        if a != b:  # the recording keeps no margins: the replay's own at the first differing token
+            k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            parted.append((k, float(o.margins[k]) if k < len(o.margins) else float("nan")))
+    assert all(abs(m) < near_tie_threshold("float32") for _, m in parted), parted
+    assert len(parted) <= 0.1 * len(out), parted
 
 
 def _bundled():
@@ -111,4 +126,4 @@ def test_a_baseline_replay_reproduces_the_bundled_real_model_trace():
     requests = [Request(RolloutKey(p, int(i)), trace.prompts[p], step=step) for p, i in zip(df.prompt_id, df.sample_idx)]
     out = engine.rollout(requests, trace.sampling.to_config(), Baseline(), VerifyConfig())
     engine.close()
-    assert [o.token_ids for o in out] == [list(t) for t in df.token_ids]
+    _assert_reproduces(out, df)
