@@ -65,22 +65,20 @@ def test_a_recording_on_the_real_model_is_small_and_replays_exactly(smollm2_trac
     requests = [Request(RolloutKey(p, int(i)), trace.prompts[p], step=step) for p, i in zip(df.prompt_id, df.sample_idx)]
     out = engine.rollout(requests, trace.sampling.to_config(), Baseline(), VerifyConfig())
     engine.close()
-    _assert_reproduces(out, df)
+    assert [o.token_ids for o in out] == [list(t) for t in df.token_ids]  # recorded and replayed on one CPU
 
 
 def _assert_reproduces(out, df):
     """A baseline replay against the recorded rollouts: equal token for token on the recording's CPU;
     another CPU's float32 kernels may part at a near-tie (the first differing token's logit margin
     under the float32 threshold), never elsewhere."""
-    from bench.core.precision import near_tie_threshold
-    parted = []
-    for o, t in zip(out, df.token_ids):
-        a, b = list(o.token_ids), [int(x) for x in t]
-        if a != b:  # the recording keeps no margins: the replay's own at the first differing token
-            k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            parted.append((k, float(o.margins[k]) if k < len(o.margins) else float("nan")))
-    assert all(abs(m) < near_tie_threshold("float32") for _, m in parted), parted
-    assert len(parted) <= 0.1 * len(out), parted
+    from bench.core.precision import classify, near_tie_threshold
+    # the recording keeps no margins: the replay's own stand in at the first differing token
+    outcomes = [classify(o.token_ids, o.margins, list(t), o.margins, near_tie_threshold("float32"))
+                for o, t in zip(out, df.token_ids)]
+    parted = [(i, o) for i, o in enumerate(outcomes) if o[0] != "identical"]
+    assert all(o[0] == "near_tie" for _, o in parted), parted
+    assert len(parted) <= 0.25 * len(out), parted  # 3 of 48 on an Intel Xeon (trace recorded on an AMD EPYC)
 
 
 def _bundled():
