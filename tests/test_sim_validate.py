@@ -78,3 +78,24 @@ def test_a_replay_and_its_simulation_priced(tmp_path):
     assert list(summary(per)["method"]) == ["baseline", "tree_cache"]
     with pytest.raises(SystemExit, match="median error up to"):  # tolerance 0: some error is always there
         main([str(tmp_path / "runs" / "val"), "--table", str(tmp_path / "table.csv"), "--tolerance", "0"])
+
+
+def test_each_method_is_simulated_over_the_tokens_it_emitted():
+    from bench.core.errors import UserError
+    from bench.harness.sim_validate import run_tokens
+    trace = {s: pd.DataFrame({"prompt_id": ["a", "a", "b"], "sample_idx": [0, 1, 0],
+                              "token_ids": [[1, 2], [1, 3], [4]], "logprobs": [[0.0, 0.0], [0.0, 0.0], [0.0]],
+                              "reward": [1.0, 0.0, 1.0], "finish_reason": ["stop"] * 3}) for s in (0, 1)}
+    run = pd.DataFrame({"step": [1] * 4, "method": ["m", "m", "m", "m"], "run_ahead": [False, False, False, True],
+                        "prompt_id": ["b", "a", "a", "a"], "sample_idx": [0, 1, 0, 2],  # another order
+                        "output_tokens": [[4], [1, 3, 9, 9], [1, 2], [7]], "logprobs": [[0.0], [-1.0] * 4, [0.0] * 2, [0.0]],
+                        "finish_reason": ["stop", "length", "stop", "stop"]})
+    out = run_tokens(trace, run, "m")
+    assert out[0] is trace[0]  # a step the run did not run: the trace's, as the replay fed it
+    assert out[1]["token_ids"].tolist() == [[1, 2], [1, 3, 9, 9], [4]]  # the trace's row order, the run's tokens
+    assert out[1]["finish_reason"].tolist() == ["stop", "length", "stop"]
+    assert trace[1]["token_ids"].tolist()[1] == [1, 3]  # the trace itself untouched
+    with pytest.raises(UserError, match="no m rollout"):
+        run_tokens(trace, run[run["prompt_id"] != "b"], "m")
+    with pytest.raises(UserError, match="tokens='mine'"):
+        validate(Path("."), Path("t.csv"), tokens="mine")

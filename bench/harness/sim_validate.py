@@ -6,7 +6,9 @@ simulator's schedule of the same steps, priced by a latency table profiled here.
     python -m bench.harness.sim_validate results/runs/val --table results/latency/here.csv
 
 The simulated schedule is the engine's (``bench.harness.sim_check``), so what is validated here is the
-price of it. A simulated iteration costs the table's seconds for each pass, the drafter's seconds
+price of it: each method is simulated over the tokens it emitted in the run (``--tokens run``,
+``run_tokens``), which are the trace's except where a float32 run on another CPU parted from them at
+a near-tie. A simulated iteration costs the table's seconds for each pass, the drafter's seconds
 measured in the simulation (the same drafter code, on this machine), and the engine's host
 seconds (verifier and bookkeeping), which the simulator does not run: ``HostModel``, its
 intercepts and slopes fitted on the run's *baseline* iterations, its price of each further node
@@ -144,14 +146,39 @@ def verifier_costs(vocab: int, sampling=None, tokens: int | None = None, rows: i
     return max(reads - plain, 0.0) / n, max(whole - reads, 0.0) / n
 
 
-def validate(run_dir: Path, table_path: Path, jobs: int = 1, level: bool = True) -> pd.DataFrame:
-    """Per (step, method): measured and predicted speedup and the relative error."""
+def run_tokens(recorded: dict[int, pd.DataFrame], run_rows: pd.DataFrame, method: str) -> dict[int, pd.DataFrame]:
+    """The trace's rollouts with the steps ``method`` ran replaced by what it emitted there (its trained
+    rollouts, in the trace's row order): a float32 run parts from the recording at near-ties on
+    another CPU than the recording's, and one rollout that then runs to the length cap sets a
+    step's tail, so the schedule to price is the one of the tokens the run emitted."""
+    mine = run_rows[(run_rows["method"] == method) & ~run_rows["run_ahead"].astype(bool)]
+    out = dict(recorded)
+    for step, part in mine.groupby("step"):
+        by_key = part.set_index(["prompt_id", "sample_idx"])
+        df = recorded[int(step)]
+        keys = list(zip(df["prompt_id"].astype(str), df["sample_idx"].astype(int)))
+        missing = [k for k in keys if k not in by_key.index]
+        if missing:
+            raise UserError(f"the run has no {method} rollout {missing[0]} of step {step}: validate a complete run")
+        got = by_key.loc[keys]
+        out[int(step)] = df.assign(token_ids=[list(t) for t in got["output_tokens"]],
+                                   logprobs=[list(x) for x in got["logprobs"]],
+                                   finish_reason=list(got["finish_reason"].astype(str)))
+    return out
+
+
+def validate(run_dir: Path, table_path: Path, jobs: int = 1, level: bool = True, tokens: str = "run") -> pd.DataFrame:
+    """Per (step, method): measured and predicted speedup and the relative error. ``tokens``: ``run``
+    simulates each method over the tokens it emitted in the run (``run_tokens``), ``trace`` all of
+    them over the trace's recorded ones."""
+    if tokens not in ("run", "trace"):
+        raise UserError(f"tokens={tokens!r}: choose run (each method's emitted tokens) or trace (the recorded ones)")
     from bench.spec.latency import LatencyTable, predict_iterations
     from bench.report.results import load_iterations, load_run
     from bench.harness.sim_inputs import load_input
     from bench.harness.sim_replay import simulate
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    _, _, _, steps = load_run(run_dir)
+    _, _, run_rows, steps = load_run(run_dir)
     eng_it = load_iterations(run_dir)
     table = LatencyTable.read(table_path)
     scale = table_level(eng_it, table) if level else 1.0
@@ -180,9 +207,12 @@ def validate(run_dir: Path, table_path: Path, jobs: int = 1, level: bool = True)
     methods = list(cfgs)
     recorded, prompts, max_new = load_input(config["trace"]["path"])
     max_new = config["sampling"]["max_new_tokens"]
-    rows = simulate(recorded, prompts, cfgs, max_new, policy=policy, spec_max_rows=int(engine.get("spec_max_rows", 32)),
-                    run_steps=sorted(set(steps["step"])), jobs=jobs)
-    it = rows.attrs["iterations"]
+    knobs = dict(policy=policy, spec_max_rows=int(engine.get("spec_max_rows", 32)), run_steps=sorted(set(steps["step"])))
+    if tokens == "trace":
+        it = simulate(recorded, prompts, cfgs, max_new, jobs=jobs, **knobs).attrs["iterations"]
+    else:  # one simulation a method, over its own tokens
+        it = pd.concat([simulate(run_tokens(recorded, run_rows, m), prompts, {m: cfgs[m]}, max_new, **knobs)
+                        .attrs["iterations"] for m in methods], ignore_index=True)
     from bench.core.sampling import SamplingConfig
     per_node, per_accepted = verifier_costs(_vocab(config), SamplingConfig(**{k: v for k, v in config["sampling"].items()
                                                                               if k != "n"}))
@@ -222,13 +252,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--level", action=argparse.BooleanOptionalAction, default=True,
                     help="level the table and the drafters' seconds by the baseline's (default; --no-level: as timed)")
+    ap.add_argument("--tokens", choices=("run", "trace"), default="run",
+                    help="simulate each method over the tokens it emitted in the run (default), or every method over "
+                         "the trace's recorded tokens (equal where the run is on the recording's CPU and dtype)")
     ap.add_argument("--out", type=Path, help="write the per-step table (.csv)")
     args = ap.parse_args(argv)
 
     def go() -> None:
         if not (args.run / "config.yaml").is_file():
             raise UserError(f"{args.run}: not a run folder (no config.yaml); run python -m bench.harness.cli first")
-        per = validate(args.run, args.table, args.jobs, args.level)
+        per = validate(args.run, args.table, args.jobs, args.level, args.tokens)
         table = summary(per)
         h = per.attrs["host"]
         print(f"host model from the baseline: verifier {h.verify_a * 1e3:.3f} ms + {h.verify_b * 1e6:.2f} us x rows a"
