@@ -35,6 +35,8 @@ class DraftLM:
                              max_position_embeddings=window + 64, tie_word_embeddings=True,
                              attn_implementation="eager")
         self._config, self._seed, self._lr = config, seed, lr
+        from bench.drafters.model_passes import ModelPasses, shape_of
+        self.passes = ModelPasses(shape_of(config, "draft_lm"))  # what its drafting costs on a GPU
         self.reset()
         self.pad = 0
         import inspect
@@ -62,8 +64,16 @@ class DraftLM:
         """A greedy chain of ``k`` tokens after each context, with the draft model's logprobs."""
         if not contexts or k <= 0:
             return [([], []) for _ in contexts]
+        with self.passes:
+            return self._propose(contexts, k)
+
+    def _propose(self, contexts: Sequence[Sequence[int]], k: int) -> list[tuple[list[int], list[float]]]:
         windows = [self._ids(c[-self.window:]) for c in contexts]
         width = max(len(w) for w in windows)
+        read = sum(len(w) for w in windows)
+        self.passes.add(len(windows), read, read)  # the windows once, then one token a row a pass
+        for j in range(1, k):
+            self.passes.add(len(windows), len(windows), read + j * len(windows))
         ids = torch.tensor([[self.pad] * (width - len(w)) + w for w in windows])
         mask = torch.tensor([[0] * (width - len(w)) + [1] * len(w) for w in windows])
         tokens, logprobs = [], []

@@ -45,6 +45,11 @@ class EagleHead:
                                    rms_norm_eps=float(getattr(pcfg, "rms_norm_eps", 1e-6)),
                                    attn_implementation="eager")
         self._seed, self._lr = seed, lr
+        import dataclasses
+
+        from bench.drafters.model_passes import ModelPasses, shape_of
+        shape = dataclasses.replace(shape_of(self._config, "eagle_head"), vocab=len(self.d2t))  # out_rows
+        self.passes = ModelPasses(shape, extra_weights=2 * self.hidden * self.hidden)  # + fc: 2H -> H
         self.attach(policy)
         self.reset()
         import inspect
@@ -90,9 +95,17 @@ class EagleHead:
         head's logprobs over the draft vocabulary."""
         if not rows or k <= 0:
             return [([], []) for _ in rows]
+        with self.passes:
+            return self._propose(rows, k)
+
+    def _propose(self, rows: Sequence[tuple[torch.Tensor, Sequence[int]]], k: int) -> list[tuple[list[int], list[float]]]:
         w = self.window
         lengths = [min(len(t), w) for _, t in rows]
         width = max(lengths)
+        read = sum(lengths)
+        self.passes.add(len(rows), read, read)  # the window once, then one pair a row a pass
+        for j in range(1, k):
+            self.passes.add(len(rows), len(rows), read + j * len(rows))
         B, H = len(rows), self.hidden
         feats = torch.zeros(B, width, H, device=self.device)
         tokens = torch.zeros(B, width, dtype=torch.long, device=self.device)

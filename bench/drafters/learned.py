@@ -133,6 +133,10 @@ class DraftLMDrafter(NullDrafter):
         self._proposed[key] = d
         return d
 
+    def take_model_passes(self) -> dict | None:
+        """The draft model's passes since the last take (``bench.drafters.model_passes``); None before it is built."""
+        return None if self.lm is None else self.lm.passes.take()
+
     def discard(self, key: RolloutKey) -> None:
         """The last proposal for ``key`` was not used (a composite drafted instead): not counted."""
         self._proposed.pop(key, None)

@@ -56,6 +56,9 @@ class LearnedTreeDrafter(NullDrafter):
         for part in self._parts:
             part.begin_iteration(live, budget=budget)
 
+    def take_model_passes(self) -> dict | None:
+        return self.learned.take_model_passes()
+
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
         if self.order == "tree_first":
             tree = self.tree_cache.propose(key, output, budget)

@@ -21,7 +21,9 @@ def predict(run_dir: str | Path, table: LatencyTable | None = None, hardware: Ha
     Through ``table`` each pass costs the table's seconds at its (rows, padded query per row,
     mean context); through the roofline (``hardware`` and ``model``) its real query tokens and
     context. ``host="measured"`` adds the drafter, verifier and bookkeeping seconds the run
-    measured (host-side work a faster accelerator does not shrink); ``"none"`` leaves them out.
+    measured (host-side work a faster accelerator does not shrink), less a learned drafter's own
+    forward passes, which the roofline prices on the target (``drafter_model_seconds``); ``"none"``
+    leaves them out.
     """
     from bench.report.results import load_iterations, load_run
     _, _, _, steps = load_run(run_dir)
@@ -54,7 +56,8 @@ def prediction_report(run_dir: Path, targets: Sequence[dict]) -> tuple[str, pd.D
     measured = summary.drop_duplicates("method").set_index("method")["measured_speedup"]
     wide.insert(0, "measured speedup (this machine)", measured)
     text = ("## Predicted speedups (not measured: the run's forward-pass shapes through a roofline; "
-            "host-side drafter and verifier seconds as measured here)\n\n" + to_markdown(wide.reset_index()))
+            "a learned drafter's passes through the same roofline; host-side drafter and verifier seconds as "
+            "measured here)\n\n" + to_markdown(wide.reset_index()))
     note = extrapolation_note(per_step)
     return text + (f"\n{note}" if note else ""), summary
 

@@ -72,6 +72,9 @@ ITERATION_SCHEMA: dict[str, pa.DataType] = {
     "draft_budget": pa.int64(), "forward_s": pa.float64(), "verify_s": pa.float64(),
     "drafter_s": pa.float64(), "other_s": pa.float64(), "tree_block": pa.bool_(),
     "nodes_read": pa.int64(),
+    # a learned drafter's own passes (bench.drafters.model_passes), on an iteration's first pass; null for others
+    "drafter_model_s": pa.float64(), "drafter_model_passes": pa.int64(), "drafter_window_bytes": pa.float64(),
+    "drafter_window_flops": pa.float64(), "drafter_step_bytes": pa.float64(), "drafter_step_flops": pa.float64(),
 }
 ROLLOUTS_DIR, STEPS_DIR, DRAFTERS_DIR = "rollouts.parquet", "steps.parquet", "drafters"
 ITERATIONS_DIR = "iterations.parquet"

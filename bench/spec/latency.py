@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from bench.core.errors import UserError
-from bench.spec.roofline import Hardware, ModelShape, roofline_seconds
+from bench.spec.roofline import Hardware, ModelShape, bytes_flops_seconds, roofline_seconds
 
 TAIL_ROWS = 8  # "few live rows": the tail of a step, where speculation is said to pay
 GRID_COLUMNS = ("rows", "query", "context")
@@ -182,13 +182,29 @@ def pass_seconds(it: pd.DataFrame, table: LatencyTable | None = None, hardware: 
             f"roofline {hardware.name} x {model.name}")
 
 
+def drafter_model_seconds(it: pd.DataFrame, hardware: Hardware) -> tuple[np.ndarray, np.ndarray]:
+    """(measured, predicted on ``hardware``) seconds of a learned drafter's own forward passes per
+    iteration-log row (its ``drafter_model_*`` columns, ``bench.drafters.model_passes``; zeros where
+    a drafter runs no model or the log predates the columns): each class of passes (window, step)
+    of an iteration priced as one pass of its bytes and FLOPs, plus the per-pass overhead."""
+    def col(name):
+        return it[name].fillna(0).to_numpy(dtype=float) if name in it else np.zeros(len(it))
+    passes = col("drafter_model_passes")
+    priced = (bytes_flops_seconds(hardware, col("drafter_window_bytes"), col("drafter_window_flops"), 0)
+              + bytes_flops_seconds(hardware, col("drafter_step_bytes"), col("drafter_step_flops"), 0)
+              + hardware.overhead_s * passes)
+    return col("drafter_model_s"), np.where(passes > 0, priced, 0.0)
+
+
 def predict_iterations(it: pd.DataFrame, table: LatencyTable | None = None, hardware: Hardware | None = None,
                        model: ModelShape | None = None, host: str = "measured",
                        host_columns: Sequence[str] = ("drafter_s", "verify_s", "other_s")) -> pd.DataFrame:
     """``predict`` over an iteration log (an engine run's ``iterations.parquet`` or the simulator's,
     which is the same schedule): per (step, method) predicted forward, host and total seconds, the
     predicted speedup against the baseline of the same step, and the predicted tail share (the
-    share of predicted seconds in iterations with at most ``TAIL_ROWS`` live rows)."""
+    share of predicted seconds in iterations with at most ``TAIL_ROWS`` live rows). Through a
+    roofline, a learned drafter's own forward passes are forward seconds on the target too
+    (``drafter_model_seconds``), taken out of the host seconds measured here."""
     if (table is None) == (hardware is None or model is None):
         raise UserError("predict needs either a latency table (--table) or both --hardware and --model")
     if host not in ("measured", "none"):
@@ -196,6 +212,11 @@ def predict_iterations(it: pd.DataFrame, table: LatencyTable | None = None, hard
     it = it[it["rows"] > 0]
     forward, label = pass_seconds(it, table, hardware, model)
     host_s = it[list(host_columns)].sum(axis=1) if host == "measured" else 0.0
+    if table is None:  # a learned drafter's passes run on the target accelerator too: its roofline, not this CPU
+        measured, priced = drafter_model_seconds(it, hardware)
+        forward = forward + priced
+        if host == "measured" and "drafter_s" in host_columns:
+            host_s = host_s - np.minimum(measured, it["drafter_s"].to_numpy(dtype=float))  # 0 on a virtual clock
     label += "" if host == "measured" else ", forward passes only"
     it = it.assign(predicted_forward_s=forward, predicted_host_s=host_s, predicted_s=forward + host_s)
     beyond = table.beyond(it["rows"], it["block_tokens"] / it["rows"], it["context_sum"] / it["rows"]) \

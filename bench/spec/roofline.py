@@ -92,22 +92,35 @@ class ModelShape:
 
 
 def roofline_seconds(hw: Hardware, model: ModelShape, query_tokens, context_sum, rows) -> np.ndarray:
-    """Seconds of forward passes: max(bytes / bandwidth, flops / peak), each at its efficiency.
+    """Seconds of forward passes: max(bytes / bandwidth, flops / peak), each at its efficiency
+    (``pass_bytes_flops`` counts them)."""
+    return bytes_flops_seconds(hw, *pass_bytes_flops(model, query_tokens, context_sum, rows))
+
+
+def pass_bytes_flops(model: ModelShape, query_tokens, context_sum, rows, extra_weights: int = 0):
+    """(bytes, FLOPs) of forward passes, whatever the accelerator.
 
     Bytes: every weight once (the embedding table is a gather) plus the KV cache each row reads.
     FLOPs: 2 x weights x tokens for the matmuls (the LM head on every query token, as engines
     verifying drafts compute it) plus 4 x layers x heads x head_dim x sum(query x context) for
-    attention, with each row's query tokens seeing about its mean context.
+    attention, with each row's query tokens seeing about its mean context. ``extra_weights``: matmul
+    weights outside the decoder layers and the LM head (an EAGLE head's input projection).
     """
     q = np.asarray(query_tokens, dtype=float)
     ctx = np.asarray(context_sum, dtype=float)
     b = np.maximum(np.asarray(rows, dtype=float), 1.0)
-    matmul_weights = model.layer_params + model.vocab * model.hidden
+    matmul_weights = model.layer_params + model.vocab * model.hidden + extra_weights
     bytes_ = matmul_weights * model.dtype_bytes + ctx * model.kv_bytes_per_token()
     flops = 2.0 * matmul_weights * q + 4.0 * model.layers * model.heads * model.head_dim * q * (ctx / b)
-    t_mem = bytes_ / (hw.memory_bandwidth_gbs * 1e9 * hw.bandwidth_efficiency)
-    t_flops = flops / (hw.peak_tflops * 1e12 * hw.flops_efficiency)
-    return np.maximum(t_mem, t_flops) + hw.overhead_s
+    return bytes_, flops
+
+
+def bytes_flops_seconds(hw: Hardware, bytes_, flops, passes=1) -> np.ndarray:
+    """Seconds on ``hw`` of ``passes`` forward passes that move ``bytes_`` and compute ``flops`` in all
+    (exact for one pass, or for passes in the same regime: all memory- or all compute-bound)."""
+    t_mem = np.asarray(bytes_, dtype=float) / (hw.memory_bandwidth_gbs * 1e9 * hw.bandwidth_efficiency)
+    t_flops = np.asarray(flops, dtype=float) / (hw.peak_tflops * 1e12 * hw.flops_efficiency)
+    return np.maximum(t_mem, t_flops) + hw.overhead_s * np.asarray(passes, dtype=float)
 
 
 class RooflineTable:

@@ -159,6 +159,9 @@ class Scheduler:
         policy.start_call(policy_name(drafter))
         never = drafts_mode(drafter) == "never"
         self._hand_features(drafter)
+        model_passes = getattr(drafter, "take_model_passes", None)  # a learned drafter's own passes
+        if model_passes is not None:
+            model_passes()  # counted before this call (a warm-up, a probe): not this call's
         backend.start_call(sampling)
         t0 = self.clock()
         while rows or waiting:
@@ -185,7 +188,7 @@ class Scheduler:
                 rows[:] = [rows[i] for i in keep]
                 backend.release(keep, rows)
             total_s = self.clock() - t_iter
-            self._log(calls, drafter_s, total_s)
+            self._log(calls, drafter_s, total_s, None if model_passes is None else model_passes())
             if policy.kind == "throughput_optimal" and not never:
                 self._teach_policy(calls, state, total_s)
             if rows and not waiting and all(r.request.run_ahead for r in rows):
@@ -340,14 +343,17 @@ class Scheduler:
             row.finish_reason = row.final_reason or "stop"
         return kept.accepted
 
-    def _log(self, calls: list[dict], drafter_s: float, total_s: float) -> None:
+    def _log(self, calls: list[dict], drafter_s: float, total_s: float, model: dict | None = None) -> None:
         """Append an iteration's passes to ``iteration_log``; the drafter's seconds and the rest of
-        the iteration go on its first pass."""
+        the iteration go on its first pass, with a learned drafter's own passes (``model``, the
+        ``drafter_model_*`` counts of ``bench.drafters.model_passes``)."""
         live = sum(c["rows"] for c in calls)
         other = total_s - drafter_s - sum(c["forward_s"] + c["verify_s"] for c in calls)
         for j, call in enumerate(calls):
             call.update(iteration=self.iterations, call=j, live_rows=live,
                         drafter_s=drafter_s if j == 0 else 0.0, other_s=max(other, 0.0) if j == 0 else 0.0)
+            if model is not None:
+                call.update(model if j == 0 else dict.fromkeys(model, 0))
             self.iteration_log.append(call)
         self.iterations += 1
 
