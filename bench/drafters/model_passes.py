@@ -8,6 +8,10 @@ context, once a draft) and step passes (one token a row: each further token of a
 passes of one class in one iteration share their rows and so their regime (memory- or
 compute-bound), so the class's sums price exactly as one pass (``bytes_flops_seconds``).
 
+The shape is the drafter's in the run: a draft LM's is its own, wherever it runs; an EAGLE head's is one
+decoder layer of the run's policy, so a prediction for a larger target model prices a head smaller
+than that model's would be (one of its layers and its LM head over the draft vocabulary a pass).
+
 The scheduler takes the counts once an iteration (``take``) into the iteration log's
 ``drafter_model_*`` columns; ``bench.spec.latency.predict_iterations`` prices them through the
 target's roofline in place of the measured ``drafter_model_s``.
