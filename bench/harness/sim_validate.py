@@ -272,6 +272,8 @@ def main(argv: list[str] | None = None) -> None:
             print("the simulated drafters' seconds x " + ", ".join(f"{v:.2f} (step {k})" for k, v in
                                                                  per.attrs["drafter_level"].items())
                   + " (the baseline's drafter in the run over in the simulation)")
+        print("simulated over " + ("each method's tokens as the run emitted them" if args.tokens == "run" else
+                                   "the trace's recorded tokens, every method alike") + f" (--tokens {args.tokens})")
         print(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
         if per.attrs["skipped"]:
             print(f"not simulable, left out: {', '.join(per.attrs['skipped'])} (the lossy rule, run-ahead)")
