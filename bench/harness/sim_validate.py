@@ -249,7 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("run", type=Path, help="a torch_ref run folder with a baseline (python -m bench.harness.cli ...)")
     ap.add_argument("--table", type=Path, required=True, help="a latency table of this machine and model")
     ap.add_argument("--tolerance", type=float, default=0.10, help="largest median error accepted (default 0.10)")
-    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="processes for --tokens trace, methods spread over them (--tokens run: one simulation a "
+                         "method, in turn; seconds for a real-model run)")
     ap.add_argument("--level", action=argparse.BooleanOptionalAction, default=True,
                     help="level the table and the drafters' seconds by the baseline's (default; --no-level: as timed)")
     ap.add_argument("--tokens", choices=("run", "trace"), default="run",
