@@ -27,21 +27,19 @@ FIELDS = ("drafter_model_s", "drafter_model_passes", "drafter_window_bytes", "dr
 
 
 class ModelPasses:
-    """The counts of one drafter's passes since the last ``take``."""
+    """The counts of one drafter's passes since the last ``take``: ``add`` only notes a pass's shape (it
+    runs inside the drafter's timed propose), ``take`` counts their bytes and FLOPs, one array call a class."""
 
     def __init__(self, shape: ModelShape, extra_weights: int = 0):
         self.shape, self.extra_weights = shape, extra_weights
-        self._counts = dict.fromkeys(FIELDS, 0.0)
-        self._t0 = None
+        self._shapes: dict[str, list[tuple[int, int, int]]] = {"window": [], "step": []}
+        self._seconds = 0.0
+        self._t0 = 0.0
 
     def add(self, rows: int, query_tokens: int, context_sum: int) -> None:
         """One pass of ``rows`` rows reading ``query_tokens`` new tokens in all, over ``context_sum``
         cached-plus-new tokens in all."""
-        b, f = pass_bytes_flops(self.shape, query_tokens, context_sum, rows, self.extra_weights)
-        kind = "window" if query_tokens > rows else "step"
-        self._counts[f"drafter_{kind}_bytes"] += float(b)
-        self._counts[f"drafter_{kind}_flops"] += float(f)
-        self._counts["drafter_model_passes"] += 1
+        self._shapes["window" if query_tokens > rows else "step"].append((rows, query_tokens, context_sum))
 
     def __enter__(self):
         """``with passes:`` around a draft call measures its seconds (``drafter_model_s``)."""
@@ -49,14 +47,20 @@ class ModelPasses:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._counts["drafter_model_s"] += time.perf_counter() - self._t0
+        self._seconds += time.perf_counter() - self._t0
 
     def take(self) -> dict:
-        """The counts since the last take (then zero)."""
-        out = self._counts
-        out["drafter_model_passes"] = int(out["drafter_model_passes"])
-        self._counts = dict.fromkeys(FIELDS, 0.0)
-        return out
+        """The counts since the last take (``FIELDS``), then zero."""
+        out = {"drafter_model_s": self._seconds,
+               "drafter_model_passes": sum(len(v) for v in self._shapes.values())}
+        for kind, shapes in self._shapes.items():
+            b = f = 0.0
+            if shapes:
+                rows, query, context = zip(*shapes)
+                b, f = (float(x.sum()) for x in pass_bytes_flops(self.shape, query, context, rows, self.extra_weights))
+            out[f"drafter_{kind}_bytes"], out[f"drafter_{kind}_flops"] = b, f
+        self._shapes, self._seconds = {"window": [], "step": []}, 0.0
+        return {k: out[k] for k in FIELDS}
 
 
 def shape_of(config, name: str) -> ModelShape:
