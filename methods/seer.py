@@ -85,12 +85,12 @@ class SeerDrafter(TreeCacheDrafter):
         hold exactly ``output_len`` of its tokens (then ``propose`` drafts it itself)."""
         trie = self._tries.get(key.prompt_id)
         seq_id = self._live.get(key)
-        if trie is None or seq_id is None or len(trie.sequence(seq_id)) - 1 != output_len:
+        if trie is None or seq_id is None or trie.sequence_length(seq_id) - 1 != output_len:
             return None
         if self._native:
             return trie.speculate_seq(seq_id, cap, self.factor, self.offset, self.min_prob, self.tree)
-        rule = trie.speculate_longest if self.match == "longest" else trie.speculate
-        return rule(trie.own_matches(seq_id), cap, self.factor, self.offset, self.min_prob, self.tree)
+        return trie.speculate_own(seq_id, self.match == "longest", cap, self.factor, self.offset, self.min_prob,
+                                  self.tree)
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
         """The draft allotted to this row at ``begin_iteration``.

@@ -132,8 +132,7 @@ class SuffixGlobalDrafter(NullDrafter):
         limit = min(self.max_spec_tokens, budget)
         if own is None or limit <= 0:
             return Draft()
-        seq = own._seqs.get(OWN)
-        have = len(seq) - self._prompt_len[key] if seq else 0
+        have = own.sequence_length(OWN) - self._prompt_len[key] if OWN in own else 0
         if have < len(output):  # tokens the engine did not observe(): take them
             self.observe(key, output[have:])
         elif have > len(output):

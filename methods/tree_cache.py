@@ -129,7 +129,7 @@ class TreeCacheDrafter(NullDrafter):
             seq_id = self._live.get(key)
             if seq_id is None:
                 return Draft()
-            have = len(trie.sequence(seq_id)) - 1
+            have = trie.sequence_length(seq_id) - 1
             if have < len(output):  # the engine showed tokens it did not observe(): take them
                 trie.extend(seq_id, output[have:])
             elif have > len(output):
@@ -137,7 +137,8 @@ class TreeCacheDrafter(NullDrafter):
             if self._native:
                 spec = trie.speculate_seq(seq_id, limit, self.factor, self.offset, self.min_prob, self.tree)
             else:
-                matches = trie.own_matches(seq_id)
+                spec = trie.speculate_own(seq_id, self.match == "longest", limit, self.factor, self.offset,
+                                          self.min_prob, self.tree)
         else:
             matcher = self._matchers.get(key)
             if matcher is None:
@@ -145,10 +146,8 @@ class TreeCacheDrafter(NullDrafter):
             if self._native:
                 spec = trie.speculate_context(matcher, limit, self.factor, self.offset, self.min_prob, self.tree)
             else:
-                matches = matcher.matches()
-        if not self._native:
-            rule = trie.speculate_longest if self.match == "longest" else trie.speculate
-            spec = rule(matches, limit, self.factor, self.offset, self.min_prob, self.tree)
+                rule = trie.speculate_longest if self.match == "longest" else trie.speculate
+                spec = rule(matcher.matches(), limit, self.factor, self.offset, self.min_prob, self.tree)
         if spec.token_ids:
             self._drafts += 1
             self._draft_tokens += len(spec.token_ids)

@@ -458,6 +458,13 @@ def test_backend_choice_never_changes_a_rule(monkeypatch):
     with pytest.raises(ValueError, match="backend must be one of"):
         suffix_tree.resolve_backend("cuda")
     assert suffix_tree.resolve_backend("python") == "python"
+    # the compiled index computes every rule exactly: auto takes it wherever it was built
+    monkeypatch.setattr(suffix_tree, "compiled_available", lambda: True)
+    assert suffix_tree.resolve_backend("auto", supported=False) == "compiled"
+    assert suffix_tree.resolve_backend("compiled") == "compiled"
+    monkeypatch.setattr(suffix_tree, "compiled_available", lambda: False)  # installed without a C compiler
+    with pytest.raises(ImportError, match="C compiler"):
+        suffix_tree.resolve_backend("compiled")
     # longest match has no native form: auto keeps Python, native refuses
     assert TreeCacheDrafter(match="longest", backend="auto").backend == "python"
     with pytest.raises(ValueError, match="no native implementation"):

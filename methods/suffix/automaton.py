@@ -84,6 +84,9 @@ class CountedSuffixAutomaton:
     def sequence(self, seq_id: int) -> list[int]:
         return self._seqs[seq_id]
 
+    def sequence_length(self, seq_id: int) -> int:
+        return len(self._seqs[seq_id])
+
     @property
     def num_nodes(self) -> int:
         """Automaton states (not comparable with the trie's nodes: each stands for several)."""

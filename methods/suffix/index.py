@@ -197,6 +197,13 @@ class SuffixIndex(CountedSuffixAutomaton):
                 m -= 1
         return NO_SPECULATION
 
+    def speculate_own(self, seq_id: int, longest: bool, max_spec_tokens: int, factor: float = 1.0,
+                      offset: float = 0.0, min_prob: float = 0.1, tree: bool = False) -> Speculation:
+        """``speculate_longest`` (``longest``) or ``speculate`` of ``own_matches(seq_id)``: the
+        in-flight drafters' one call (the compiled index answers it without building the list)."""
+        rule = self.speculate_longest if longest else self.speculate
+        return rule(self.own_matches(seq_id), max_spec_tokens, factor, offset, min_prob, tree)
+
     def speculate_first_hit(self, context: Sequence[int], window: int, min_match: int,
                             max_spec_tokens: int, min_prob: float) -> Speculation:
         """``SuffixTrie.speculate_first_hit`` (HistoSpec): the longest suffix of the last

@@ -75,6 +75,9 @@ class NativeSuffixTree:
     def sequence(self, seq_id: int) -> list[int]:
         return self._seqs[seq_id]
 
+    def sequence_length(self, seq_id: int) -> int:
+        return len(self._seqs[seq_id])
+
     @property
     def num_nodes(self) -> int:
         return 0  # compressed: nodes are not comparable with the trie's; see approx_bytes

@@ -49,6 +49,9 @@ class SuffixTrie:
     def sequence(self, seq_id: int) -> list[int]:
         return self._seqs[seq_id]
 
+    def sequence_length(self, seq_id: int) -> int:
+        return len(self._seqs[seq_id])
+
     def count_of(self, node: int) -> int:
         return self._count[node]
 
@@ -295,6 +298,13 @@ class SuffixTrie:
                 (tokens, score), parents = self._follow_path(node, budget, min_prob), None
             return Speculation(tokens, parents if tokens else None, score, m)
         return NO_SPECULATION
+
+    def speculate_own(self, seq_id: int, longest: bool, max_spec_tokens: int, factor: float = 1.0,
+                      offset: float = 0.0, min_prob: float = 0.1, tree: bool = False) -> Speculation:
+        """``speculate_longest`` (``longest``) or ``speculate`` of ``own_matches(seq_id)``: the
+        in-flight drafters' one call (the compiled index answers it without building the list)."""
+        rule = self.speculate_longest if longest else self.speculate
+        return rule(self.own_matches(seq_id), max_spec_tokens, factor, offset, min_prob, tree)
 
     def speculate_first_hit(self, context: Sequence[int], window: int, min_match: int,
                             max_spec_tokens: int, min_prob: float) -> Speculation:
