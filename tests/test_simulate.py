@@ -123,7 +123,16 @@ def test_cache_oracle_tokens_per_step_on_a_literal_cache():
     assert table.loc[FUTURE_ORACLE, "cache_oracle"] == ""
 
 
-def test_suffix_automaton_finds_every_substring_of_interleaved_texts():
+def _automata():
+    from methods.suffix.compiled import CompiledAutomaton
+    compiled = pytest.param(lambda: CompiledAutomaton(1), marks=pytest.mark.skipif(
+        CompiledAutomaton is None, reason="the compiled index was not built (no C compiler at install)"))
+    return [SuffixAutomaton, compiled]
+
+
+@pytest.mark.parametrize("make", _automata(), ids=["python", "compiled"])
+def test_suffix_automaton_finds_every_substring_of_interleaved_texts(make):
+    """The cache oracle's walk on either automaton (the compiled one is what it runs on where built)."""
     import random
     rng = random.Random(1)
 
@@ -135,17 +144,18 @@ def test_suffix_automaton_finds_every_substring_of_interleaved_texts():
         return m
 
     for vocab in (2, 3, 50):
-        sam, texts = SuffixAutomaton(), {}
+        sam, texts, tokens = make(), {}, 0
         for _ in range(60):  # texts grown in random interleavings, as in-flight rollouts are
             tid = rng.randrange(4)
             toks = [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
             sam.extend(tid, toks)
+            tokens += len(toks)
             texts.setdefault(tid, []).extend(toks)
             for _ in range(4):
                 q = [rng.randrange(vocab) for _ in range(rng.randint(0, 9))]
                 start, limit = rng.randint(0, len(q)), rng.randint(0, 10)
                 assert sam.longest_prefix(q, start, limit) == longest(list(texts.values()), q, start, limit)
-        assert sam.num_states <= 2 * sam.num_tokens + 1
+        assert (sam.num_states if make is SuffixAutomaton else sam.num_nodes) <= 2 * tokens + 1
 
 
 def test_cache_oracle_memory_is_linear_in_the_rollout():

@@ -888,6 +888,28 @@ static PyObject *Index_first_hit_raw(Index *x, PyObject *args) {
     return result(x, 0, 0.0, 0);
 }
 
+/* methods.oracle.SuffixAutomaton.longest_prefix: the largest m <= limit with seq[start:start + m]
+ * a substring of some inserted text (removed ones included: the cache oracle removes nothing) */
+static PyObject *Index_longest_prefix(Index *x, PyObject *args) {
+    PyObject *seq; Py_ssize_t start, limit;
+    if (!PyArg_ParseTuple(args, "Onn", &seq, &start, &limit)) return NULL;
+    PyObject *fast = PySequence_Fast(seq, "seq must be a sequence of ints");
+    if (!fast) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), end = start + limit < n ? start + limit : n, i = start;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    int32_t state = 0;
+    for (; i < end; i++) {
+        long c = PyLong_AsLong(items[i]);
+        if (c == -1 && PyErr_Occurred()) { Py_DECREF(fast); return NULL; }
+        if (c < INT32_MIN + 1 || c > INT32_MAX) break;
+        int32_t nx = trans(x, state, (int32_t)c);
+        if (nx < 0) break;
+        state = nx;
+    }
+    Py_DECREF(fast);
+    return PyLong_FromSsize_t(i > start ? i - start : 0);
+}
+
 /* ----- inspection ----- */
 static PyObject *Index_sequence(Index *x, PyObject *args) {
     PyObject *sid;
@@ -1070,6 +1092,8 @@ static PyMethodDef Index_methods[] = {
     {"_speculate", (PyCFunction)Index_speculate_raw, METH_VARARGS, NULL},
     {"_speculate_own", (PyCFunction)Index_speculate_own_raw, METH_VARARGS, NULL},
     {"_first_hit", (PyCFunction)Index_first_hit_raw, METH_VARARGS, NULL},
+    {"longest_prefix", (PyCFunction)Index_longest_prefix, METH_VARARGS,
+     "largest m <= limit with seq[start:start + m] in some text (the cache oracle's walk)"},
     {"__getstate__", (PyCFunction)Index_getstate, METH_NOARGS, NULL},
     {"__setstate__", (PyCFunction)Index_setstate, METH_O, NULL},
     {NULL}
