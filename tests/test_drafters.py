@@ -678,13 +678,18 @@ def _drive_lockstep(drafters, rng, phrases, weights, steps=3, prompts=3, samples
 
 @pytest.mark.parametrize("path", NATIVE_CONFIGS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("match", [None, "best"])
-def test_python_index_drafts_equal_the_reference_trie(path, match):
-    """backend python (the suffix automaton) against backend trie (the depth-limited reference
-    trie) on the same calls: every draft identical, ties included (a 6-token vocabulary ties
-    often), with each config's own rule and with match: best; DAS removes its recency copies."""
+@pytest.mark.parametrize("backend", ["python", "compiled"])
+def test_index_drafts_equal_the_reference_trie(path, match, backend):
+    """backend python (the suffix automaton) and compiled (the same in C) against backend trie
+    (the depth-limited reference trie) on the same calls: every draft identical, ties included (a
+    6-token vocabulary ties often), with each config's own rule and with match: best; DAS removes
+    its recency copies."""
     import random
+    from methods.suffix.compiled import compiled_available
+    if backend == "compiled" and not compiled_available():
+        pytest.skip("the compiled index was not built (no C compiler at install)")
     cfgs = []
-    for backend in ("python", "trie"):
+    for backend in (backend, "trie"):
         cfg = OmegaConf.load(path).drafter
         cfg.backend = backend
         if match is not None and "match" in cfg:
@@ -693,7 +698,7 @@ def test_python_index_drafts_equal_the_reference_trie(path, match):
     if match is not None and "match" not in cfgs[0]:
         pytest.skip("no match knob")
     python, trie = (instantiate(c) for c in cfgs)
-    assert python.backend == "python" and trie.backend == "trie"
+    assert python.backend == cfgs[0].backend and trie.backend == "trie"
     rng = random.Random(5)
     phrases = [[rng.randrange(6) for _ in range(rng.randint(2, 6))] for _ in range(30)]
     a, b = _drive_lockstep([python, trie], rng, phrases, [1.0] * 10, steps=4)

@@ -44,8 +44,9 @@ def _tree(max_depth=64, max_spec_tokens=24, factor=1.0, min_prob=0.1, match="lon
              "method's run_ahead)", source, ref),
         Knob("match", "str", match, "longest: the longest suffix match drafts; best: the best score over "
              "match lengths (SuffixDecoding)", source, ref, choices=MATCH_RULES),
-        Knob("backend", "str", "auto", "suffix tree: auto (native where installed and exact), python, native "
-             "(arctic-inference), trie (reference)", "suite", choices=BACKENDS),
+        Knob("backend", "str", "auto", "suffix tree: auto (compiled where built, else native where installed "
+             "and exact, else python), compiled (the automaton in C), python, native (arctic-inference), trie "
+             "(reference)", "suite", choices=BACKENDS),
     ]
     return {k.name: k for k in knobs}
 
