@@ -124,13 +124,15 @@ def next_draft(drafter: Drafter, key: RolloutKey, output: Sequence[int], max_new
     budget = max_new_tokens - len(output) - 1
     if budget <= 0:
         return Draft()
-    draft = drafter.propose(key, output, budget).truncated(budget)
+    draft = drafter.propose(key, output, budget)
+    if len(draft.token_ids) > budget:
+        draft = draft.truncated(budget)
     if draft.parents is not None:
         draft.validate()
     return draft
 
 
-@dataclass
+@dataclass(slots=True)
 class DraftCounters:
     """Per-rollout counters (docs/results.md; names as vLLM's).
 
@@ -230,16 +232,15 @@ def settle(counters: DraftCounters, draft_len: int, emitted: Sequence[int], num_
     Example: draft [5, 6, 2], emitted [5, 6, 2, 7] (3 accepted + the bonus), stops {2}
     -> Settled(3, 3, "stop"): the bonus after the stop token is dropped.
     """
-    n = cut_emitted(emitted, stops, max_new_tokens - out_len)
-    accepted = min(num_accepted, n)
+    if stops:
+        n = cut_emitted(emitted, stops, max_new_tokens - out_len)
+    else:  # the simulator's case (a recorded rollout ends at its length): the room alone cuts
+        n = min(len(emitted), max(max_new_tokens - out_len, 0))
+    accepted = num_accepted if num_accepted < n else n
     if draft_len:
         counters.record(draft_len, accepted)
     else:  # an undrafted pass: the common case, counted without the call
         counters.num_forward_passes += 1
     if n and stops and emitted[n - 1] in stops:
-        reason = "stop"
-    elif out_len + n >= max_new_tokens:
-        reason = "length"
-    else:
-        reason = ""
-    return Settled(n, accepted, reason)
+        return Settled(n, accepted, "stop")
+    return Settled(n, accepted, "length" if out_len + n >= max_new_tokens else "")

@@ -76,7 +76,7 @@ def check_rule(verify: VerifyConfig, sampling: SamplingConfig) -> None:
                          f"samples: set sampling.temperature=0 (sampling=greedy) or use verify.rule=exact")
 
 
-@dataclass
+@dataclass(slots=True)
 class Verdict:
     """What verification of one row decided.
 

@@ -41,9 +41,9 @@ def recorded_verdict(rec: Recorded, out_len: int, draft: Draft) -> Verdict:
     """
     toks, t = rec.tokens, out_len
     ids = draft.token_ids
-    if not ids:
-        path = [0]
-    elif draft.parents is None:  # a chain: the accepted nodes are its longest prefix equal to the recording
+    if not ids:  # nothing drafted: the next recorded token
+        return Verdict(toks[t:t + 1], [0], rec.logprobs[t:t + 1], [])
+    if draft.parents is None:  # a chain: the accepted nodes are its longest prefix equal to the recording
         a, k = 0, min(len(ids), len(toks) - t)
         while a < k and ids[a] == toks[t + a]:
             a += 1

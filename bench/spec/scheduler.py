@@ -25,11 +25,11 @@ from bench.core.drafting import (DraftCounters, drafts_mode, next_draft, refuse_
 from bench.core.engine_protocol import Request, RunAheadSource, request_key64
 from bench.core.sampling import SamplingConfig
 from bench.spec.policy import SpecPolicy
-from bench.core.verify import Verdict, VerifyConfig, nodes_read
+from bench.core.verify import WINDOW, Verdict, VerifyConfig, nodes_read
 from bench.spec.groups import forward_groups
 
 
-@dataclass
+@dataclass(slots=True)
 class LiveRow:
     """A running rollout. ``pending`` are the tokens fed to the next pass besides its draft (the
     prompt, then the last emitted token) and ``cached`` the tokens before them whose KV is in place,
@@ -244,9 +244,11 @@ class Scheduler:
             hook([(row.request.key, len(row.output)) for row in rows], budget=cap)
         drafts = [next_draft(drafter, row.request.key, row.output, sampling.max_new_tokens) for row in rows]
         state.drafter_s += self.clock() - t_d
+        any_first = any(first)  # else (most iterations) every draft is a decoding one: nothing to split
         if cap != 0:  # asked for the first drafts only when budget said 0: the others stay undrafted
-            cap = policy.choose([d for d, f in zip(drafts, first) if not f], state.context_mean, cap)
-        first_cap = policy.choose_first([d for d, f in zip(drafts, first) if f], len(rows),
+            cap = policy.choose([d for d, f in zip(drafts, first) if not f] if any_first else drafts,
+                                state.context_mean, cap)
+        first_cap = policy.choose_first([d for d, f in zip(drafts, first) if f] if any_first else [], len(rows),
                                         max(len(r.pending) for r in rows), state.context_mean, cap)
         state.propose_s = self.clock() - t_d  # what asking cost: the proposals and the choice over them
         state.cap = cap
@@ -267,7 +269,9 @@ class Scheduler:
         drafts = self._drafts(rows, state, sampling, drafter, never)
         contexts = state.contexts
         draft_lens = [len(d.token_ids) for d in drafts]
-        sizes = [len(r.pending) + k for r, k in zip(rows, draft_lens)]
+        pending = [len(r.pending) for r in rows]
+        sizes = [p + k for p, k in zip(pending, draft_lens)]
+        ahead = any(r.request.run_ahead for r in rows)
         lookup = self.policy.lookup  # None without a table (or "auto" before load)
         by_table = None if lookup is None else (lambda r, q: lookup.one(r, q, state.context_mean))
         verdicts: list = [None] * len(rows)
@@ -281,46 +285,52 @@ class Scheduler:
                 verdicts[i] = v
                 if result.features is not None:
                     features[i] = result.features[j]
-            ctx = [contexts[i] for i in group]
-            g_sizes = [sizes[i] for i in group]
+            whole = len(groups) == 1  # the common case: every row, read off the iteration's lists
+            ctx = contexts if whole else [contexts[i] for i in group]
+            g_sizes = sizes if whole else [sizes[i] for i in group]
             widest, queries = max(g_sizes), sum(g_sizes)
             if self.prices is not None:  # the table's price of this shape, and nothing for the verifier
                 result = PassResult(result.verdicts, self.prices(len(group), widest, sum(ctx) / len(group), queries),
                                     0.0)
                 self.clock.advance(result.forward_s)
-            calls.append({"rows": len(group), "run_ahead_rows": sum(rows[i].request.run_ahead for i in group),
+            calls.append({"rows": len(group),
+                          "run_ahead_rows": sum(rows[i].request.run_ahead for i in group) if ahead else 0,
                           "query_tokens": queries, "block_tokens": len(group) * widest, "context_sum": sum(ctx),
-                          "context_max": max(ctx), "draft_tokens": sum(draft_lens[i] for i in group),
+                          "context_max": max(ctx),
+                          "draft_tokens": sum(draft_lens) if whole else sum(draft_lens[i] for i in group),
                           "draft_budget": -1 if state.cap is None else state.cap, "group": group,
-                          "prefill": any(len(rows[i].pending) > 1 for i in group),
+                          "prefill": (max(pending) if whole else max(pending[i] for i in group)) > 1,
                           "tree_block": widest > 1 and any(d.parents is not None for d in g_drafts),  # an ancestor mask
                           "forward_s": result.forward_s, "verify_s": result.verify_s})
         now = self.clock() - t0
         self.backend.commit(rows, verdicts)
-        accepted = [self._settle(row, d, v, stops, now, drafter, state, f)
-                    for row, d, v, f in zip(rows, drafts, verdicts, features)]
+        records = self.policy.kind == "throughput_optimal"
+        settled = [self._settle(row, d, v, stops, now, records) for row, d, v in zip(rows, drafts, verdicts)]
+        self._feed_back(rows, settled, features, drafter, state)
         state.prefill = [call.pop("prefill") for call in calls]
         ratio = verify.rule == "ratio"
         for call in calls:
             group = call.pop("group")
-            call["accepted_tokens"] = sum(accepted[i] for i in group)
-            call["nodes_read"] = sum(nodes_read(draft_lens[i], verdicts[i].path, ratio=ratio) for i in group)
+            call["accepted_tokens"] = sum(settled[i][1] for i in group)
+            call["nodes_read"] = sum(draft_lens[i] + 1 if draft_lens[i] < WINDOW  # one window: every node
+                                     else nodes_read(draft_lens[i], verdicts[i].path, ratio=ratio) for i in group)
         return calls
 
-    def _settle(self, row: LiveRow, d: Draft, v: Verdict, stops: set[int], now: float, drafter: Drafter,
-                state: IterationState, features=None) -> int:
-        """Cut one row's verdict at stops and its room, count it, feed it back (the hidden states behind
-        the kept tokens first, to a drafter that reads them); its accepted tokens."""
+    def _settle(self, row: LiveRow, d: Draft, v: Verdict, stops: set[int], now: float,
+                records: bool) -> tuple[list[int], int]:
+        """Cut one row's verdict at stops and its room, count it, append it to the row (``records``:
+        show the policy what was accepted); the tokens kept and how many of them were accepted."""
         path, emitted = v.path, v.emitted
-        row.cached += len(row.pending) - 1 + len(path)
         output = row.output
-        kept = settle(row.counters, len(d), emitted, len(path) - 1, stops, len(output), row.limit)
+        row.cached += len(row.pending) - 1 + len(path)
+        draft_len = len(d.token_ids)
+        kept = settle(row.counters, draft_len, emitted, len(path) - 1, stops, len(output), row.limit)
         lps, mgs = v.logprobs, v.margins
         if kept.n < len(emitted):
             emitted, lps, mgs = emitted[:kept.n], lps[:kept.n], mgs[:kept.n]
-        if self.policy.kind == "throughput_optimal" and len(d):  # a first draft (output length 0, verified
-            # in the prefill) is no evidence for the drafts of decoding: it has a tracker of its own
-            self.policy.record(len(d), kept.accepted, None if d.parents is None else
+        if records and draft_len:  # a first draft (output length 0, verified in the prefill) is no
+            # evidence for the drafts of decoding: it has a tracker of its own
+            self.policy.record(draft_len, kept.accepted, None if d.parents is None else
                                [j - 1 for j in path[1:1 + kept.accepted]], d.parents, first=not output)
         if not output:
             row.first_t = now
@@ -331,17 +341,23 @@ class Scheduler:
         row.last_t = now
         if emitted:
             row.pending = [emitted[-1]]
-        clock = self.clock
-        t_d = clock()
-        if features is not None and emitted:
-            drafter.observe_features(row.request.key, features[:len(emitted)])
-        drafter.observe(row.request.key, emitted)
-        state.drafter_s += clock() - t_d
         if kept.finish_reason:
             row.finish_reason = row.final_reason or kept.finish_reason
         elif not emitted:  # nothing left to emit (an empty recorded rollout)
             row.finish_reason = row.final_reason or "stop"
-        return kept.accepted
+        return emitted, kept.accepted
+
+    def _feed_back(self, rows: list[LiveRow], settled: list[tuple[list[int], int]], features: list,
+                   drafter: Drafter, state: IterationState) -> None:
+        """Every row's kept tokens to the drafter, in row order (the hidden states behind them first,
+        to a drafter that reads them): one clock reading for the whole batch."""
+        t_d = self.clock()
+        observe = drafter.observe
+        for row, (emitted, _), f in zip(rows, settled, features):
+            if f is not None and emitted:
+                drafter.observe_features(row.request.key, f[:len(emitted)])
+            observe(row.request.key, emitted)
+        state.drafter_s += self.clock() - t_d
 
     def _log(self, calls: list[dict], drafter_s: float, total_s: float, model: dict | None = None) -> None:
         """Append an iteration's passes to ``iteration_log``; the drafter's seconds and the rest of
