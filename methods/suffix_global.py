@@ -192,11 +192,11 @@ class SuffixGlobalDrafter(NullDrafter):
         """Global-trie nodes of the suffixes of the request's context (prompt + output)."""
         if not self.in_flight:
             return self._matchers[key].matches()
-        context = own.sequence(OWN) if OWN in own else []
+        context = own.sequence_tail(OWN, self.max_depth) if OWN in own else []  # all its suffixes use
         seq = self._active.get(key)
         if seq is not None and seq in self.global_trie:  # its response is in there: start from it
             return self.global_trie.context_matches(seq, context)
-        return self.global_trie.match(context[-self.max_depth:])
+        return self.global_trie.match(context)
 
     def finish(self, key: RolloutKey, rollout: Rollout) -> None:
         self._own.pop(key, None)

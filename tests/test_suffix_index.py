@@ -235,6 +235,7 @@ def test_compiled_equals_the_python_index_through_copies_removals_and_compaction
         assert a.num_nodes == b.num_nodes and a.version == b.version and len(a) == len(b)
         for seq in live:
             assert a.sequence(seq) == b.sequence(seq)
+            assert [b.sequence_tail(seq, n) for n in (0, 1, 7, 10_000)] == [a.sequence(seq)[-n:] if n else [] for n in (0, 1, 7, 10_000)]
             assert [a.count_of(n) for n in a.own_matches(seq)] == [b.count_of(n) for n in b.own_matches(seq)]
             for tree in (False, True):
                 for factor, offset, min_prob in ((1.0, 0.0, 0.1), (2.0, 1.0, 0.0)):

@@ -390,6 +390,7 @@ def test_native_speculate_seq_equals_the_trie_on_own_matches_up_to_ties(tree):
             ours = trie.speculate(trie.own_matches(seq_id), 8, 1.0, 0.0, 0.1, tree)
             theirs = native.speculate_seq(seq_id, 8, 1.0, 0.0, 0.1, tree)
             assert native.sequence(seq_id) == trie.sequence(seq_id)
+            assert native.sequence_tail(seq_id, 5) == trie.sequence_tail(seq_id, 5) == trie.sequence(seq_id)[-5:]
             calls += 1
             if theirs.token_ids == ours.token_ids:
                 same += 1

@@ -927,6 +927,18 @@ static PyObject *Index_sequence_length(Index *x, PyObject *args) {
     if (slot < 0) { PyErr_SetObject(PyExc_KeyError, sid); return NULL; }
     return PyLong_FromLong(x->seqs[slot].tokens.n);
 }
+static PyObject *Index_sequence_tail(Index *x, PyObject *args) {
+    PyObject *sid;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "On", &sid, &n)) return NULL;
+    int32_t slot = slot_of(x, sid);
+    if (slot == -2) return NULL;
+    if (slot < 0) { PyErr_SetObject(PyExc_KeyError, sid); return NULL; }
+    Py_ssize_t len = x->seqs[slot].tokens.n;
+    if (n < 0) n = 0;
+    if (n > len) n = len;
+    return list_of(x->seqs[slot].tokens.v + (len - n), n);
+}
 static PyObject *Index_count_of(Index *x, PyObject *args) {
     int s;
     if (!PyArg_ParseTuple(args, "i", &s)) return NULL;
@@ -1082,6 +1094,7 @@ static PyMethodDef Index_methods[] = {
     {"compact", (PyCFunction)Index_compact, METH_NOARGS, "rebuild from the live sequences"},
     {"sequence", (PyCFunction)Index_sequence, METH_VARARGS, "a sequence's tokens (a new list)"},
     {"sequence_length", (PyCFunction)Index_sequence_length, METH_VARARGS, "a sequence's length"},
+    {"sequence_tail", (PyCFunction)Index_sequence_tail, METH_VARARGS, "a sequence's last n tokens (a new list)"},
     {"count_of", (PyCFunction)Index_count_of, METH_VARARGS, NULL},
     {"top_child", (PyCFunction)Index_top_child, METH_VARARGS, NULL},
     {"approx_bytes", (PyCFunction)Index_approx_bytes, METH_NOARGS, NULL},

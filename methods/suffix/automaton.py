@@ -87,6 +87,10 @@ class CountedSuffixAutomaton:
     def sequence_length(self, seq_id: int) -> int:
         return len(self._seqs[seq_id])
 
+    def sequence_tail(self, seq_id: int, n: int) -> list[int]:
+        """The last ``n`` tokens of a sequence (a new list): a context's suffixes, without copying it all."""
+        return self._seqs[seq_id][-n:] if n > 0 else []
+
     @property
     def num_nodes(self) -> int:
         """Automaton states (not comparable with the trie's nodes: each stands for several)."""

@@ -52,6 +52,10 @@ class SuffixTrie:
     def sequence_length(self, seq_id: int) -> int:
         return len(self._seqs[seq_id])
 
+    def sequence_tail(self, seq_id: int, n: int) -> list[int]:
+        """The last ``n`` tokens of a sequence (a new list): a context's suffixes, without copying it all."""
+        return self._seqs[seq_id][-n:] if n > 0 else []
+
     def count_of(self, node: int) -> int:
         return self._count[node]
 
