@@ -199,6 +199,16 @@ def test_cache_oracle_bounds_every_method_on_a_synthetic_log():
             < table.loc["prefix_reuse_exact", "cache_oracle_tokens_per_step"])
 
 
+def test_copying_is_every_simulable_method_but_the_learned_drafters():
+    from bench.harness.sim_methods import runs_a_model
+    every, copying = simulable_methods(), simulable_methods(copying_only=True)
+    learned = [m for m in every if m not in copying]
+    assert copying == [m for m in every if m in copying]  # same order, a subset
+    assert {"draft_lm", "learned_tree"} <= set(learned) and {"tree_cache", "das", FUTURE_ORACLE} <= set(copying)
+    assert all(runs_a_model(method_config(m)) for m in learned)
+    assert not any(runs_a_model(method_config(m)) for m in copying if m != FUTURE_ORACLE)
+
+
 @pytest.mark.slow
 def test_cache_oracle_bounds_every_method_on_the_tiny_trace(tiny_trace):
     steps, prompts, max_new = load_input(tiny_trace)
@@ -404,3 +414,14 @@ def test_the_simulator_draws_its_predictions(tmp_path):
     assert all((tmp_path / "f" / n).stat().st_size > 10_000 for n in names)
     with pytest.raises(SystemExit, match="--figures draws predictions"):
         main([str(logs), "--method", "tree_cache", "--figures", str(tmp_path / "g")])
+
+
+def test_simulate_scale_reports_every_copying_method_with_its_tokens_per_second(capsys):
+    """The scale benchmark's run of ``copying`` in two processes, on a log small enough for a test:
+    one row per method simulated, each with its tokens per second, none failed."""
+    from bench.benchmarks.simulate_scale import simulate_scale
+    rows = simulate_scale(methods=["copying"], probe=[], steps=2, prompts=2, samples=4, max_len=1024, jobs=2)
+    together, parts = rows[0], [r for r in rows if r["run"].strip() == "its part"]
+    assert together["status"] == 0 and together["run"].endswith("2 processes"), together
+    assert [r["methods"] for r in parts] == simulable_methods(copying_only=True)
+    assert all(r["parts"].endswith("k tokens/s") for r in parts)

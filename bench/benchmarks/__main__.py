@@ -8,6 +8,7 @@
     python -m bench.benchmarks near-ties       # CDF shift, batched/tree vs one-token forward, per dtype
     python -m bench.benchmarks identity        # the identity rate of every exact method in one dtype
     python -m bench.benchmarks simulate-scale  # the simulator on 8 steps x 128 rollouts x 4,096 tokens
+    python -m bench.benchmarks simulate-scale --size ten-step --jobs 2   # 10 steps x 1,024 rollouts, the copying methods
     python -m bench.benchmarks policies        # each method's speedup under every speculation policy
     python -m bench.benchmarks verify-scale    # the verifier at V=151,936, B=128, 4,096-token chains
     python -m bench.benchmarks memory          # one torch_ref pass at Qwen2.5-0.5B's shapes: peak memory

@@ -1,7 +1,14 @@
-"""The simulator at real size: 8 steps x 128 rollouts x 4,096 tokens (vocabulary 151,936), each
-method in its own process: wall seconds, peak RSS and the seconds of each part.
+"""The simulator at real size (vocabulary 151,936, rollouts of up to 4,096 tokens), each run in its
+own process: wall seconds, peak RSS, the seconds of each part and each method's tokens per second.
 
-    python -m bench.benchmarks simulate-scale [--methods ...] [--probe none]
+    python -m bench.benchmarks simulate-scale [--methods ...] [--probe none]          # 8 steps x 128 rollouts
+    python -m bench.benchmarks simulate-scale --size one-step --jobs 2 --probe none    # 1 step x 1,024 rollouts
+    python -m bench.benchmarks simulate-scale --size ten-step --jobs 2 --probe none    # 10 steps x 1,024 rollouts
+
+``--size`` picks the log: ``default`` (the simulator's own scale check), ``one-step`` (a one-step
+dump of 1,024 rollouts) and ``ten-step`` (a real run's log: 10 steps x 1,024 rollouts of up to
+4,096 tokens), the two sizes "your run, predicted" sets targets for; on those two the methods
+default to ``copying`` (every simulable method but the learned drafters, which run a model).
 """
 from __future__ import annotations
 import tempfile
@@ -13,6 +20,10 @@ from bench.benchmarks.helpers import run_measured
 
 
 SCALE_METHODS = ("baseline", "prefix_reuse_exact", "future_oracle")
+# name: (steps, prompts, samples a prompt) of the synthetic log, methods simulated together by default
+SIZES = {"default": ((8, 16, 8), SCALE_METHODS),
+         "one-step": ((1, 128, 8), ("copying",)),
+         "ten-step": ((10, 128, 8), ("copying",))}
 
 
 def _sim_parts(stdout: str) -> dict[str, float]:
@@ -47,12 +58,13 @@ def _cache_oracles(log_dir: str) -> None:
 
 
 def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: int = 16, samples: int = 8,
-                   max_len: int = 4096, probe_prompts: int = 0, timeout: float = 600.0) -> list[dict]:
+                   max_len: int = 4096, probe_prompts: int = 0, timeout: float = 600.0, jobs: int = 1) -> list[dict]:
     """``python -m bench.harness.simulate`` on a synthetic log of steps x (prompts x samples) rollouts of at
     most ``max_len`` tokens (``bench.harness.sim_synthetic.synthetic_log``: vocabulary 151,936, per-prompt
     templates that rollouts copy with edits, long-tailed lengths), each run in its own process:
     wall seconds and peak RSS of the whole command, and the seconds of each part (every method's
-    replay, every cache oracle). First ``methods`` together on the whole log; then each ``probe``
+    replay, every cache oracle) and each method's tokens per second. First ``methods`` together on
+    the whole log (``jobs`` processes; ``copying`` and ``all`` as ``--method`` reads them); then each ``probe``
     method (default: every other simulable method) alone on the whole log, or with
     ``probe_prompts`` on the log cut to that many prompts (every step, so each prompt's cache is
     as large as in the whole log), its time scaled by the token ratio as an estimate. Last, the oracle's structure for
@@ -65,7 +77,7 @@ def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: i
     tokens = sum(len(x) for df in log.values() for x in df["token_ids"])
     with tempfile.TemporaryDirectory() as tmp:
         full = write_log(log, Path(tmp) / "full")
-        rows = _together_rows(full, methods, tokens, gen_s, timeout)
+        rows = _together_rows(full, methods, tokens, gen_s, timeout, jobs)
         if probe_prompts and probe_prompts < prompts:
             keep = {f"p{i}" for i in range(probe_prompts)}
             cut = {s: df[df["prompt_id"].isin(keep)].reset_index(drop=True) for s, df in log.items()}
@@ -82,16 +94,23 @@ def _parts_text(stdout: str) -> str:
     return "; ".join(f"{k} {v:.1f}s" for k, v in _sim_parts(stdout).items())
 
 
-def _together_rows(full: Path, methods, tokens: int, gen_s: float, timeout: float) -> list[dict]:
-    """``methods`` simulated together on the whole log, then every distinct cache oracle alone."""
+def _together_rows(full: Path, methods, tokens: int, gen_s: float, timeout: float, jobs: int = 1) -> list[dict]:
+    """``methods`` simulated together on the whole log (``jobs`` processes), one row per method with its
+    tokens per second, then every distinct cache oracle alone."""
     import sys
-    cmd = [sys.executable, "-m", "bench.harness.simulate", str(full), *[a for m in methods for a in ("--method", m)]]
+    cmd = [sys.executable, "-m", "bench.harness.simulate", str(full), *[a for m in methods for a in ("--method", m)],
+           "--jobs", str(jobs)]
     r = run_measured(cmd, timeout)
     print(f"$ python -m bench.harness.simulate LOG {' '.join(cmd[4:])}   (log generated in {gen_s:.1f}s)")
     print(r["stdout"])
-    rows = [{"run": "together, whole log", "methods": ",".join(methods), "tokens": tokens,
-             "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
-             "parts": _parts_text(r["stdout"])}]
+    rows = [{"run": f"together, whole log, {jobs} process{'es' if jobs > 1 else ''}", "methods": ",".join(methods),
+             "tokens": tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
+             "parts": _parts_text(r["stdout"]) if not r["status"] else f"failed: {r['error']}"}]
+    for name, seconds in _sim_parts(r["stdout"]).items():
+        if not name.startswith("cache oracle"):
+            rows.append({"run": "  its part", "methods": name, "tokens": tokens, "wall_s": seconds,
+                         "peak_rss_mb": float("nan"), "status": r["status"],
+                         "parts": f"{tokens / seconds / 1e3:.0f}k tokens/s" if seconds else ""})
     r = run_measured([sys.executable, "-c", "import sys; from bench.benchmarks.simulate_scale import _cache_oracles; "
                        "_cache_oracles(sys.argv[1])", str(full)], timeout)
     print("every distinct cache oracle alone, whole log:\n" + r["stdout"])
@@ -106,7 +125,8 @@ def _probe_rows(small: Path, methods, probe, where: str, tokens: int, cut_tokens
     whose seconds and memory are scaled by the token ratio as an estimate)."""
     import sys
     from bench.harness.sim_methods import simulable_methods
-    probe = [m for m in simulable_methods() if m not in methods] if probe is None else list(probe)
+    named = {n for m in methods for n in (simulable_methods(m == "copying") if m in ("all", "copying") else [m])}
+    probe = [m for m in simulable_methods() if m not in named] if probe is None else list(probe)
     base = run_measured([sys.executable, "-c", "import bench.harness.simulate"], timeout)
     rows = [{"run": "imports only", "methods": "", "tokens": 0, "wall_s": base["wall_s"],
              "peak_rss_mb": base["peak_rss_mb"], "status": base["status"], "parts": ""}]
@@ -164,9 +184,16 @@ def _structure_rows(max_len: int) -> list[dict]:
     return rows
 
 def main(argv=None) -> None:
-    ap = parser("simulate-scale", "bench.harness.simulate on 8 steps x 128 rollouts x 4,096 tokens: seconds, RSS")
-    ap.add_argument("--methods", default=",".join(SCALE_METHODS),
-                    help="methods simulated together on the whole log (comma-separated)")
+    ap = parser("simulate-scale", "bench.harness.simulate on a synthetic log of real size: seconds, tokens/s, RSS")
+    ap.add_argument("--size", choices=sorted(SIZES), default="default",
+                    help="default: 8 steps x 128 rollouts; one-step: 1 x 1,024; ten-step: 10 x 1,024 (all of at "
+                         "most 4,096 tokens)")
+    ap.add_argument("--methods", default=None,
+                    help="methods simulated together on the whole log (comma-separated; `copying` and `all` as "
+                         "--method reads them; default: baseline,prefix_reuse_exact,future_oracle for the default "
+                         "size, copying for the others)")
+    ap.add_argument("--jobs", type=int, default=1, help="processes the methods simulated together share")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds each command may run")
     ap.add_argument("--probe", default=None,
                     help="methods timed alone on a cut of the log (comma-separated, 'none'; default every other "
                          "simulable method)")
@@ -174,5 +201,10 @@ def main(argv=None) -> None:
                     help="time the probe methods on the log cut to this many prompts (default 0: each alone on "
                          "the whole log)")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: give a number of processes >= 1")
+    (steps, prompts, samples), default_methods = SIZES[args.size]
+    methods = default_methods if args.methods is None else [m for m in args.methods.split(",") if m]
     probe = None if args.probe is None else [m for m in args.probe.split(",") if m and m != "none"]
-    print_rows(simulate_scale(methods=args.methods.split(","), probe=probe, probe_prompts=args.probe_prompts))
+    print_rows(simulate_scale(methods=methods, probe=probe, steps=steps, prompts=prompts, samples=samples,
+                              probe_prompts=args.probe_prompts, timeout=args.timeout, jobs=args.jobs))

@@ -2,6 +2,7 @@
 the refusals, and the future oracle over the recorded rollouts.
 
     python -m bench.harness.simulate TRACE_DIR --method all                      # every method allowed here
+    python -m bench.harness.simulate TRACE_DIR --method copying                  # those that run no model
     python -m bench.harness.simulate TRACE_DIR --method tree_cache:match=best    # a knob variant (method_config)
     python -m bench.harness.simulate TRACE_DIR --method future_oracle            # the bound of any drafter
 
@@ -92,16 +93,29 @@ def method_config(name: str):
     return OmegaConf.load(path)
 
 
-def simulable_methods() -> list[str]:
-    """Every configured method simulation can run (exact rules, no run-ahead), plus the future oracle."""
+def simulable_methods(copying_only: bool = False) -> list[str]:
+    """Every configured method simulation can run (exact rules, no run-ahead), plus the future oracle.
+
+    ``copying_only``: only the drafters that copy tokens (``methods/``, no model): the learned
+    drafters run their draft model on every proposal, which on a CPU costs about a thousand times
+    a copying drafter's proposal (results/LOG.md), so ``--method copying`` leaves them out."""
     out = []
     for p in sorted(METHOD_DIR.glob("*.yaml")):
+        cfg = method_config(p.stem)
         try:
-            check_simulable(p.stem, method_config(p.stem))
+            check_simulable(p.stem, cfg)
         except SimulationError:
+            continue
+        if copying_only and runs_a_model(cfg):
             continue
         out.append(p.stem)
     return out + [FUTURE_ORACLE]
+
+
+def runs_a_model(cfg) -> bool:
+    """Whether a method's drafter runs a model of its own (a learned drafter, ``bench.drafters``);
+    the copying drafters are pure Python in ``methods/``."""
+    return str((cfg.get("drafter") or {}).get("_target_", "")).startswith("bench.drafters.")
 
 
 def check_simulable(name: str, cfg) -> None:

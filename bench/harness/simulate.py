@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.perf_counter() - t0
     per_step = _print_tables(rows, args, run.targets, run.prices)
     print(textwrap.fill(LEGEND, 110))
-    parts = ", ".join(f"{k} {v:.1f}s" for k, v in rows.attrs.get("timings", {}).items())
+    parts = ", ".join(f"{k} {v:.2f}s" for k, v in rows.attrs.get("timings", {}).items())
     print(f"simulated {len(run.cfgs)} methods in {wall:.1f}s ({parts})")
     if args.out:
         _write(per_step, args.out)
@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("input", type=Path, help="a trace directory or a folder of per-step rollout logs")
     ap.add_argument("--method", action="append", required=True,
-                    help="a conf/method name, `future_oracle`, or `all` (every simulable method); repeatable; "
+                    help="a conf/method name, `future_oracle`, `all` (every simulable method) or `copying` (those "
+                         "whose drafter runs no model: all but the learned drafters); repeatable; "
                          "NAME:knob=value,... overrides drafter knobs (e.g. tree_cache:match=best)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="draft budget cap (default: the trace's; for logs, the longest rollout)")
@@ -120,7 +121,8 @@ class _SimulationInputs(NamedTuple):
 def _prepare(args: argparse.Namespace) -> _SimulationInputs:
     """Load the input and check every flag now, so a bad one is one clear error (``SimulationError``)."""
     steps, prompts, max_new = load_input(args.input)
-    names = [n for m in args.method for n in (simulable_methods() if m == "all" else [m])]
+    names = [n for m in args.method
+             for n in (simulable_methods(copying_only=m == "copying") if m in ("all", "copying") else [m])]
     targets = _prediction_targets(args.predict, args.table)
     if targets and "baseline" not in names:
         names = ["baseline", *names]  # the speedups are against it
