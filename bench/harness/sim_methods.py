@@ -97,7 +97,7 @@ def simulable_methods(copying_only: bool = False) -> list[str]:
     """Every configured method simulation can run (exact rules, no run-ahead), plus the future oracle.
 
     ``copying_only``: only the drafters that copy tokens (``methods/``, no model): the learned
-    drafters run their draft model on every proposal, which on a CPU costs about a thousand times
+    drafters run their draft model on every proposal, which on a CPU costs about a hundred times
     a copying drafter's proposal (results/LOG.md), so ``--method copying`` leaves them out."""
     out = []
     for p in sorted(METHOD_DIR.glob("*.yaml")):
