@@ -57,7 +57,10 @@ typedef struct {
     int32_t n, cap;
     int32_t *len, *link, *tok, *to, *count, *top, *last_tok;
     int64_t *time;
-    ivec *more;         /* tokens of a state's second and later transitions, in insertion order */
+    /* tokens of a state's second and later transitions, in insertion order: pool[more_at[s]] (-1: none;
+       most states have none, so a 4-byte index a state instead of a 16-byte vector) */
+    int32_t *more_at;
+    ivec *pool; int32_t npool, poolcap;
     /* (state, token) -> target of those transitions: open addressing */
     uint64_t *hkey; int32_t *hval; size_t hcap, hused;
     int64_t clock, dead_tokens;
@@ -110,9 +113,29 @@ static int hput(Index *x, int32_t s, int32_t c, int32_t v) {  /* insert or updat
     return 0;
 }
 
+static const ivec NO_MORE = {NULL, 0, 0};
+/* a state's second and later transition tokens (read only: a push may move the pool) */
+static inline const ivec *more_of(const Index *x, int32_t s) {
+    int32_t i = x->more_at[s];
+    return i < 0 ? &NO_MORE : &x->pool[i];
+}
+static int more_push(Index *x, int32_t s, int32_t c) {
+    if (x->more_at[s] < 0) {
+        if (x->npool == x->poolcap) {
+            int32_t cap = x->poolcap ? x->poolcap * 2 : 64;
+            ivec *p = PyMem_Realloc(x->pool, (size_t)cap * sizeof(ivec));
+            if (!p) { PyErr_NoMemory(); return -1; }
+            x->pool = p; x->poolcap = cap;
+        }
+        x->pool[x->npool].v = NULL; x->pool[x->npool].n = x->pool[x->npool].cap = 0;
+        x->more_at[s] = x->npool++;
+    }
+    return ivec_push(&x->pool[x->more_at[s]], c);
+}
+
 static inline int32_t trans(Index *x, int32_t p, int32_t c) {
     if (x->tok[p] == c) return x->to[p];
-    if (!x->more[p].n) return -1;
+    if (x->more_at[p] < 0) return -1;
     return hget(x, p, c);
 }
 
@@ -122,25 +145,25 @@ static int new_state(Index *x, int32_t len, int32_t link, int32_t tok, int32_t t
         int32_t cap = x->cap ? x->cap * 2 : 64;
 #define GROW(f, T) { T *p = PyMem_Realloc(x->f, (size_t)cap * sizeof(T)); if (!p) { PyErr_NoMemory(); return -1; } x->f = p; }
         GROW(len, int32_t) GROW(link, int32_t) GROW(tok, int32_t) GROW(to, int32_t) GROW(count, int32_t)
-        GROW(top, int32_t) GROW(last_tok, int32_t) GROW(time, int64_t) GROW(more, ivec)
+        GROW(top, int32_t) GROW(last_tok, int32_t) GROW(time, int64_t) GROW(more_at, int32_t)
 #undef GROW
         x->cap = cap;
     }
     int32_t s = x->n++;
     x->len[s] = len; x->link[s] = link; x->tok[s] = tok; x->to[s] = to; x->count[s] = count;
     x->time[s] = time; x->top[s] = top; x->last_tok[s] = last_tok;
-    x->more[s].v = NULL; x->more[s].n = x->more[s].cap = 0;
+    x->more_at[s] = -1;
     return s;
 }
 
 static void free_states(Index *x) {
-    for (int32_t s = 0; s < x->n; s++) PyMem_Free(x->more[s].v);
+    for (int32_t i = 0; i < x->npool; i++) PyMem_Free(x->pool[i].v);
     PyMem_Free(x->len); PyMem_Free(x->link); PyMem_Free(x->tok); PyMem_Free(x->to);
     PyMem_Free(x->count); PyMem_Free(x->top); PyMem_Free(x->last_tok); PyMem_Free(x->time);
-    PyMem_Free(x->more); PyMem_Free(x->hkey); PyMem_Free(x->hval);
+    PyMem_Free(x->more_at); PyMem_Free(x->pool); PyMem_Free(x->hkey); PyMem_Free(x->hval);
     x->len = x->link = x->tok = x->to = x->count = x->top = x->last_tok = NULL;
-    x->time = NULL; x->more = NULL; x->hkey = NULL; x->hval = NULL;
-    x->n = x->cap = 0; x->hcap = x->hused = 0;
+    x->time = NULL; x->more_at = NULL; x->pool = NULL; x->hkey = NULL; x->hval = NULL;
+    x->n = x->cap = 0; x->npool = x->poolcap = 0; x->hcap = x->hused = 0;
 }
 static void free_seq(Seq *q) {
     PyMem_Free(q->tokens.v); PyMem_Free(q->par.v); PyMem_Free(q->when.v);
@@ -216,13 +239,13 @@ static int insert(Index *x, int32_t slot, const int32_t *tokens, Py_ssize_t ntok
                 p = last;
                 while (p >= 0) {
                     if (x->tok[p] == c) { q = x->to[p]; break; }
-                    if (x->more[p].n) {
+                    if (x->more_at[p] >= 0) {
                         q = hget(x, p, c);
                         if (q >= 0) break;
                     }
                     if (x->tok[p] == NO_TOKEN) { x->tok[p] = c; x->to[p] = cur; }
                     else {
-                        if (ivec_push(&x->more[p], c) < 0 || hput(x, p, c, cur) < 0) return -1;
+                        if (more_push(x, p, c) < 0 || hput(x, p, c, cur) < 0) return -1;
                     }
                     p = x->link[p];
                 }
@@ -233,20 +256,16 @@ static int insert(Index *x, int32_t slot, const int32_t *tokens, Py_ssize_t ntok
                 int32_t k = new_state(x, x->len[p] + 1, x->link[q], x->tok[q], x->to[q], x->count[q],
                                       x->time[q], x->top[q], x->last_tok[q]);
                 if (k < 0) return -1;
-                ivec *d = &x->more[q];
-                if (d->n) {
-                    for (int32_t j = 0; j < d->n; j++) {
-                        int32_t tj = d->v[j];
-                        if (ivec_push(&x->more[k], tj) < 0 || hput(x, k, tj, hget(x, q, tj)) < 0) return -1;
-                        d = &x->more[q];  /* more may have moved? no: more[] only grows in new_state */
-                    }
+                for (int32_t j = 0; j < more_of(x, q)->n; j++) {  /* re-read: a push may move the pool */
+                    int32_t tj = more_of(x, q)->v[j];
+                    if (more_push(x, k, tj) < 0 || hput(x, k, tj, hget(x, q, tj)) < 0) return -1;
                 }
                 while (p >= 0) {
                     if (x->tok[p] == c) {
                         if (x->to[p] != q) break;
                         x->to[p] = k;
                     } else {
-                        if (!x->more[p].n || hget(x, p, c) != q) break;
+                        if (x->more_at[p] < 0 || hget(x, p, c) != q) break;
                         if (hput(x, p, c, k) < 0) return -1;
                     }
                     if (x->top[p] == q) x->top[p] = k;
@@ -504,7 +523,7 @@ static int32_t top_of(Index *x, int32_t node) {
         int32_t ch = x->to[node];
         if (x->count[ch] > 0) best = ch;
     }
-    ivec *d = &x->more[node];
+    const ivec *d = more_of(x, node);
     for (int32_t j = 0; j < d->n; j++) {
         int32_t ch = hget(x, node, d->v[j]);
         int32_t c = x->count[ch];
@@ -647,7 +666,7 @@ static int expand_tree(Index *x, int32_t node, int32_t m, int32_t budget, double
         if (d < x->max_depth) {
             double total = (double)x->count[node];
             int32_t first = x->tok[node] != NO_TOKEN ? 1 : 0;
-            ivec *more = &x->more[node];
+            const ivec *more = more_of(x, node);
             for (int32_t j = -first; j < more->n; j++) {
                 int32_t child = j < 0 ? x->to[node] : hget(x, node, more->v[j]);
                 int32_t c = x->count[child];
@@ -955,20 +974,21 @@ static PyObject *Index_top_child(Index *x, PyObject *args) {
 }
 static PyObject *Index_approx_bytes(Index *x, PyObject *Py_UNUSED(a)) {
     int64_t extra = 0, seqb = 0;
-    for (int32_t s = 0; s < x->n; s++) extra += x->more[s].cap;
+    for (int32_t i = 0; i < x->npool; i++) extra += x->pool[i].cap;
     for (int32_t i = 0; i < x->nseq; i++)
         seqb += (int64_t)x->seqs[i].tokens.cap * 8 + (int64_t)x->seqs[i].when.cap * 8;
-    return PyLong_FromLongLong((int64_t)x->cap * 48 + extra * 4 + (int64_t)x->hcap * 12 + seqb);
+    return PyLong_FromLongLong((int64_t)x->cap * 40 + (int64_t)x->poolcap * 16 + extra * 4 + (int64_t)x->hcap * 12 + seqb);
 }
 
 /* ----- pickling: every array as bytes ----- */
 static PyObject *Index_getstate(Index *x, PyObject *Py_UNUSED(a)) {
     ivec more_flat = {NULL, 0, 0};  /* state, n, tokens... for states with more */
     for (int32_t s = 0; s < x->n; s++) {
-        if (!x->more[s].n) continue;
-        if (ivec_push(&more_flat, s) < 0 || ivec_push(&more_flat, x->more[s].n) < 0) goto fail;
-        for (int32_t j = 0; j < x->more[s].n; j++) {
-            int32_t c = x->more[s].v[j];
+        const ivec *m = more_of(x, s);
+        if (!m->n) continue;
+        if (ivec_push(&more_flat, s) < 0 || ivec_push(&more_flat, m->n) < 0) goto fail;
+        for (int32_t j = 0; j < m->n; j++) {
+            int32_t c = m->v[j];
             if (ivec_push(&more_flat, c) < 0 || ivec_push(&more_flat, hget(x, s, c)) < 0) goto fail;
         }
     }
@@ -1023,7 +1043,7 @@ static PyObject *Index_setstate(Index *x, PyObject *st) {
         int32_t s = mf[i], k = mf[i + 1];
         i += 2;
         for (int32_t j = 0; j < k; j++, i += 2)
-            if (ivec_push(&x->more[s], mf[i]) < 0 || hput(x, s, mf[i], mf[i + 1]) < 0) return NULL;
+            if (more_push(x, s, mf[i]) < 0 || hput(x, s, mf[i], mf[i + 1]) < 0) return NULL;
     }
     Py_ssize_t ns = PyList_Size(seqs);
     for (Py_ssize_t j = 0; j < ns; j++) {
