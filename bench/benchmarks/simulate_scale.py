@@ -110,7 +110,7 @@ def _together_rows(full: Path, methods, tokens: int, gen_s: float, timeout: floa
         if not name.startswith("cache oracle"):
             rows.append({"run": "  its part", "methods": name, "tokens": tokens, "wall_s": seconds,
                          "peak_rss_mb": float("nan"), "status": r["status"],
-                         "parts": f"{tokens / seconds / 1e3:.0f}k tokens/s" if seconds else ""})
+                         "parts": f"{tokens / seconds / 1e3:.0f}k tokens/s" if seconds else "under 0.005 s: too fast to rate"})
     r = run_measured([sys.executable, "-c", "import sys; from bench.benchmarks.simulate_scale import _cache_oracles; "
                        "_cache_oracles(sys.argv[1])", str(full)], timeout)
     print("every distinct cache oracle alone, whole log:\n" + r["stdout"])
