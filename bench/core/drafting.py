@@ -232,11 +232,8 @@ def settle(counters: DraftCounters, draft_len: int, emitted: Sequence[int], num_
     Example: draft [5, 6, 2], emitted [5, 6, 2, 7] (3 accepted + the bonus), stops {2}
     -> Settled(3, 3, "stop"): the bonus after the stop token is dropped.
     """
-    if stops:
-        n = cut_emitted(emitted, stops, max_new_tokens - out_len)
-    else:  # the simulator's case (a recorded rollout ends at its length): the room alone cuts
-        n = min(len(emitted), max(max_new_tokens - out_len, 0))
-    accepted = num_accepted if num_accepted < n else n
+    n = cut_emitted(emitted, stops, max_new_tokens - out_len)
+    accepted = min(num_accepted, n)
     if draft_len:
         counters.record(draft_len, accepted)
     else:  # an undrafted pass: the common case, counted without the call

@@ -25,7 +25,7 @@ from bench.core.drafting import (DraftCounters, drafts_mode, next_draft, refuse_
 from bench.core.engine_protocol import Request, RunAheadSource, request_key64
 from bench.core.sampling import SamplingConfig
 from bench.spec.policy import SpecPolicy
-from bench.core.verify import WINDOW, Verdict, VerifyConfig, nodes_read
+from bench.core.verify import Verdict, VerifyConfig, nodes_read
 from bench.spec.groups import forward_groups
 
 
@@ -312,8 +312,7 @@ class Scheduler:
         for call in calls:
             group = call.pop("group")
             call["accepted_tokens"] = sum(settled[i][1] for i in group)
-            call["nodes_read"] = sum(draft_lens[i] + 1 if draft_lens[i] < WINDOW  # one window: every node
-                                     else nodes_read(draft_lens[i], verdicts[i].path, ratio=ratio) for i in group)
+            call["nodes_read"] = sum(nodes_read(draft_lens[i], verdicts[i].path, ratio=ratio) for i in group)
         return calls
 
     def _settle(self, row: LiveRow, d: Draft, v: Verdict, stops: set[int], now: float,
