@@ -124,8 +124,8 @@ def _probe_rows(small: Path, methods, probe, where: str, tokens: int, cut_tokens
     """The imports alone, then each probe method alone on ``small`` (the whole log, or a cut of it
     whose seconds and memory are scaled by the token ratio as an estimate)."""
     import sys
-    from bench.harness.sim_methods import simulable_methods
-    named = {n for m in methods for n in (simulable_methods(m == "copying") if m in ("all", "copying") else [m])}
+    from bench.harness.sim_methods import expand_methods, simulable_methods
+    named = set(expand_methods(methods))
     probe = [m for m in simulable_methods() if m not in named] if probe is None else list(probe)
     base = run_measured([sys.executable, "-c", "import bench.harness.simulate"], timeout)
     rows = [{"run": "imports only", "methods": "", "tokens": 0, "wall_s": base["wall_s"],

@@ -112,6 +112,11 @@ def simulable_methods(copying_only: bool = False) -> list[str]:
     return out + [FUTURE_ORACLE]
 
 
+def expand_methods(names) -> list[str]:
+    """``--method`` values as method names: ``all`` and ``copying`` become their lists (``simulable_methods``)."""
+    return [n for m in names for n in (simulable_methods(copying_only=m == "copying") if m in ("all", "copying") else [m])]
+
+
 def runs_a_model(cfg) -> bool:
     """Whether a method's drafter runs a model of its own (a learned drafter, ``bench.drafters``);
     the copying drafters are pure Python in ``methods/``."""

@@ -29,7 +29,7 @@ from typing import Any, Mapping, NamedTuple
 import pandas as pd
 
 from bench.harness.sim_inputs import checkpoint_steps, load_input
-from bench.harness.sim_methods import SimulationError, check_simulable, method_config, simulable_methods
+from bench.harness.sim_methods import SimulationError, check_simulable, expand_methods, method_config
 from bench.harness.sim_replay import SIM_POLICIES, simulate
 from bench.harness.sim_summary import summarize
 
@@ -121,8 +121,7 @@ class _SimulationInputs(NamedTuple):
 def _prepare(args: argparse.Namespace) -> _SimulationInputs:
     """Load the input and check every flag now, so a bad one is one clear error (``SimulationError``)."""
     steps, prompts, max_new = load_input(args.input)
-    names = [n for m in args.method
-             for n in (simulable_methods(copying_only=m == "copying") if m in ("all", "copying") else [m])]
+    names = expand_methods(args.method)
     targets = _prediction_targets(args.predict, args.table)
     if targets and "baseline" not in names:
         names = ["baseline", *names]  # the speedups are against it
