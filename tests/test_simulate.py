@@ -125,12 +125,13 @@ def test_cache_oracle_tokens_per_step_on_a_literal_cache():
 
 def _automata():
     from methods.suffix.compiled import CompiledAutomaton
-    compiled = pytest.param(lambda: CompiledAutomaton(1), marks=pytest.mark.skipif(
-        CompiledAutomaton is None, reason="the compiled index was not built (no C compiler at install)"))
-    return [SuffixAutomaton, compiled]
+    unbuilt = pytest.mark.skipif(CompiledAutomaton is None,
+                                 reason="the compiled index was not built (no C compiler at install)")
+    return [SuffixAutomaton, pytest.param(lambda: CompiledAutomaton(1), marks=unbuilt),
+            pytest.param(lambda: CompiledAutomaton(1, counts=False), marks=unbuilt)]
 
 
-@pytest.mark.parametrize("make", _automata(), ids=["python", "compiled"])
+@pytest.mark.parametrize("make", _automata(), ids=["python", "compiled", "compiled_transitions_only"])
 def test_suffix_automaton_finds_every_substring_of_interleaved_texts(make):
     """The cache oracle's walk on either automaton (the compiled one is what it runs on where built)."""
     import random
@@ -156,6 +157,29 @@ def test_suffix_automaton_finds_every_substring_of_interleaved_texts(make):
                 start, limit = rng.randint(0, len(q)), rng.randint(0, 10)
                 assert sam.longest_prefix(q, start, limit) == longest(list(texts.values()), q, start, limit)
         assert (sam.num_states if make is SuffixAutomaton else sam.num_nodes) <= 2 * tokens + 1
+
+
+def test_transitions_only_automaton_refuses_what_needs_counts_and_is_smaller():
+    """The cache oracle's automaton keeps transitions only: the queries that read counts or texts
+    say so, and it holds well under the counted one's bytes for the same text."""
+    import pickle
+    import random
+    from methods.suffix.compiled import CompiledAutomaton
+    if CompiledAutomaton is None:
+        pytest.skip("the compiled index was not built (no C compiler at install)")
+    rng = random.Random(0)
+    text = [rng.randrange(151_936) for _ in range(5000)]
+    lean, counted = CompiledAutomaton(1, counts=False), CompiledAutomaton(1)
+    for a in (lean, counted):
+        a.extend(0, text)
+    assert lean.num_nodes == counted.num_nodes
+    assert lean.approx_bytes() < 0.6 * counted.approx_bytes()
+    for call in (lambda: lean.sequence(0), lambda: lean.remove(0), lambda: lean.count_of(0),
+                 lambda: pickle.dumps(lean)):
+        with pytest.raises(ValueError, match="counts=False"):
+            call()
+    with pytest.raises(ValueError, match="only on a new automaton"):
+        counted.__init__(1, counts=False)
 
 
 def test_cache_oracle_memory_is_linear_in_the_rollout():

@@ -120,7 +120,7 @@ def oracle_passes(rollouts_by_step: Mapping[int, pd.DataFrame], max_new_tokens: 
     caches: dict[str, SuffixAutomaton] = {}
     # the compiled suffix automaton where it was built (the same walk, about 10x faster; depth 1:
     # its counts are not read here)
-    new_cache = SuffixAutomaton if CompiledAutomaton is None else (lambda: CompiledAutomaton(1))
+    new_cache = SuffixAutomaton if CompiledAutomaton is None else (lambda: CompiledAutomaton(1, counts=False))
     passes: dict[tuple[int, str, int], int] = {}
     seq = 0
     for step in sorted(rollouts_by_step):

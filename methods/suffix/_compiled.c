@@ -51,6 +51,8 @@ typedef struct {        /* one inserted sequence */
 typedef struct {
     PyObject_HEAD
     int32_t max_depth;
+    int counted;        /* 0: transitions only (no counts, times, top children or texts: the cache
+                           oracle's walk, about a third of the memory); see need_counts */
     double compact_ratio;
     int64_t version;
     /* states */
@@ -139,19 +141,27 @@ static inline int32_t trans(Index *x, int32_t p, int32_t c) {
     return hget(x, p, c);
 }
 
+/* the queries that read counts, times or texts: refused on an automaton made with counts=False */
+static int need_counts(Index *x, const char *what) {
+    if (x->counted) return 0;
+    PyErr_Format(PyExc_ValueError, "%s needs counts: this CompiledAutomaton was made with counts=False "
+                 "(transitions only, for longest_prefix); make it with counts=True", what);
+    return -1;
+}
+
 static int new_state(Index *x, int32_t len, int32_t link, int32_t tok, int32_t to, int32_t count,
                      int64_t time, int32_t top, int32_t last_tok) {
     if (x->n == x->cap) {
         int32_t cap = x->cap ? x->cap * 2 : 64;
 #define GROW(f, T) { T *p = PyMem_Realloc(x->f, (size_t)cap * sizeof(T)); if (!p) { PyErr_NoMemory(); return -1; } x->f = p; }
-        GROW(len, int32_t) GROW(link, int32_t) GROW(tok, int32_t) GROW(to, int32_t) GROW(count, int32_t)
-        GROW(top, int32_t) GROW(last_tok, int32_t) GROW(time, int64_t) GROW(more_at, int32_t)
+        GROW(len, int32_t) GROW(link, int32_t) GROW(tok, int32_t) GROW(to, int32_t) GROW(more_at, int32_t)
+        if (x->counted) { GROW(count, int32_t) GROW(top, int32_t) GROW(last_tok, int32_t) GROW(time, int64_t) }
 #undef GROW
         x->cap = cap;
     }
     int32_t s = x->n++;
-    x->len[s] = len; x->link[s] = link; x->tok[s] = tok; x->to[s] = to; x->count[s] = count;
-    x->time[s] = time; x->top[s] = top; x->last_tok[s] = last_tok;
+    x->len[s] = len; x->link[s] = link; x->tok[s] = tok; x->to[s] = to;
+    if (x->counted) { x->count[s] = count; x->time[s] = time; x->top[s] = top; x->last_tok[s] = last_tok; }
     x->more_at[s] = -1;
     return s;
 }
@@ -253,8 +263,10 @@ static int insert(Index *x, int32_t slot, const int32_t *tokens, Py_ssize_t ntok
                 else if (x->len[q] == x->len[p] + 1) { x->link[cur] = q; last = cur; q = -1; }
             }
             if (q >= 0) {  /* split q */
-                int32_t k = new_state(x, x->len[p] + 1, x->link[q], x->tok[q], x->to[q], x->count[q],
-                                      x->time[q], x->top[q], x->last_tok[q]);
+                int32_t k = x->counted
+                    ? new_state(x, x->len[p] + 1, x->link[q], x->tok[q], x->to[q], x->count[q], x->time[q],
+                                x->top[q], x->last_tok[q])
+                    : new_state(x, x->len[p] + 1, x->link[q], x->tok[q], x->to[q], 0, 0, 0, 0);
                 if (k < 0) return -1;
                 for (int32_t j = 0; j < more_of(x, q)->n; j++) {  /* re-read: a push may move the pool */
                     int32_t tj = more_of(x, q)->v[j];
@@ -268,7 +280,7 @@ static int insert(Index *x, int32_t slot, const int32_t *tokens, Py_ssize_t ntok
                         if (x->more_at[p] < 0 || hget(x, p, c) != q) break;
                         if (hput(x, p, c, k) < 0) return -1;
                     }
-                    if (x->top[p] == q) x->top[p] = k;
+                    if (x->counted && x->top[p] == q) x->top[p] = k;
                     p = x->link[p];
                 }
                 x->link[q] = k;
@@ -276,6 +288,7 @@ static int insert(Index *x, int32_t slot, const int32_t *tokens, Py_ssize_t ntok
                 else last = k;
             }
         }
+        if (!x->counted) { t += 1; n += 1; continue; }
         /* counts */
         Seq *sq = &x->seqs[slot];
         int64_t want = n < top_depth ? n : top_depth;
@@ -317,7 +330,7 @@ static int insert(Index *x, int32_t slot, const int32_t *tokens, Py_ssize_t ntok
         t += 1;
         n += 1;
     }
-    x->count[0] += (int32_t)ntok;
+    if (x->counted) x->count[0] += (int32_t)ntok;
     x->clock = t;
     x->seqs[slot].end = last; x->seqs[slot].deep = deep;
     return 0;
@@ -375,6 +388,7 @@ static PyObject *Index_append(Index *x, PyObject *args) {
 
 /* CountedSuffixAutomaton.extend_copy */
 static PyObject *Index_extend_copy(Index *x, PyObject *args) {
+    if (need_counts(x, "extend_copy") < 0) return NULL;
     PyObject *sid, *src_id;
     if (!PyArg_ParseTuple(args, "OO", &sid, &src_id)) return NULL;
     int32_t have = slot_of(x, sid);
@@ -434,6 +448,7 @@ static int compact(Index *x);
 
 /* CountedSuffixAutomaton.remove */
 static PyObject *Index_remove(Index *x, PyObject *args) {
+    if (need_counts(x, "remove") < 0) return NULL;
     PyObject *sid;
     if (!PyArg_ParseTuple(args, "O", &sid)) return NULL;
     int32_t slot = slot_of(x, sid);
@@ -510,6 +525,7 @@ static int compact(Index *x) {
 }
 
 static PyObject *Index_compact(Index *x, PyObject *Py_UNUSED(a)) {
+    if (need_counts(x, "compact") < 0) return NULL;
     if (compact(x) < 0) return NULL;
     Py_RETURN_NONE;
 }
@@ -813,6 +829,7 @@ static int read_matches(Index *x, PyObject *obj, int32_t *nm) {
 }
 
 static PyObject *Index_speculate_raw(Index *x, PyObject *args) {
+    if (need_counts(x, "speculate") < 0) return NULL;
     PyObject *matches; int longest, tree; int max_spec; double factor, offset, min_prob;
     if (!PyArg_ParseTuple(args, "Opidddp", &matches, &longest, &max_spec, &factor, &offset, &min_prob, &tree)) return NULL;
     int32_t nm;
@@ -822,6 +839,7 @@ static PyObject *Index_speculate_raw(Index *x, PyObject *args) {
 
 /* the rule on a sequence's own matches, in one call (the in-flight drafters' hot path) */
 static PyObject *Index_speculate_own_raw(Index *x, PyObject *args) {
+    if (need_counts(x, "speculate_own") < 0) return NULL;
     PyObject *sid; int longest, tree; int max_spec; double factor, offset, min_prob;
     if (!PyArg_ParseTuple(args, "Opidddp", &sid, &longest, &max_spec, &factor, &offset, &min_prob, &tree)) return NULL;
     int32_t slot = slot_of(x, sid);
@@ -832,6 +850,7 @@ static PyObject *Index_speculate_own_raw(Index *x, PyObject *args) {
 }
 
 static PyObject *Index_own_matches(Index *x, PyObject *args) {
+    if (need_counts(x, "own_matches") < 0) return NULL;
     PyObject *sid;
     if (!PyArg_ParseTuple(args, "O", &sid)) return NULL;
     int32_t slot = slot_of(x, sid);
@@ -843,6 +862,7 @@ static PyObject *Index_own_matches(Index *x, PyObject *args) {
 }
 
 static PyObject *Index_longest_live(Index *x, PyObject *args) {
+    if (need_counts(x, "_longest_live") < 0) return NULL;
     PyObject *ctx; Py_ssize_t start, end;
     if (!PyArg_ParseTuple(args, "Onn", &ctx, &start, &end)) return NULL;
     if (read_tokens(x, ctx, &x->buf_tok) < 0) return NULL;
@@ -854,6 +874,7 @@ static PyObject *Index_longest_live(Index *x, PyObject *args) {
 }
 
 static PyObject *Index_chain(Index *x, PyObject *args) {
+    if (need_counts(x, "_chain") < 0) return NULL;
     int state, m;
     if (!PyArg_ParseTuple(args, "ii", &state, &m)) return NULL;
     if (state < 0 || state >= x->n || m < 0) { PyErr_SetString(PyExc_ValueError, "no such state"); return NULL; }
@@ -864,6 +885,7 @@ static PyObject *Index_chain(Index *x, PyObject *args) {
 
 /* IndexMatcher.feed's automaton walk: (state, n) after the tokens */
 static PyObject *Index_feed(Index *x, PyObject *args) {
+    if (need_counts(x, "_feed") < 0) return NULL;
     int v, n; PyObject *toks;
     if (!PyArg_ParseTuple(args, "iiO", &v, &n, &toks)) return NULL;
     if (read_tokens(x, toks, &x->buf_tok) < 0) return NULL;
@@ -882,6 +904,7 @@ static PyObject *Index_feed(Index *x, PyObject *args) {
 
 /* SuffixIndex.speculate_first_hit */
 static PyObject *Index_first_hit_raw(Index *x, PyObject *args) {
+    if (need_counts(x, "speculate_first_hit") < 0) return NULL;
     PyObject *ctx; int window, min_match, max_spec; double min_prob;
     if (!PyArg_ParseTuple(args, "Oiiid", &ctx, &window, &min_match, &max_spec, &min_prob)) return NULL;
     if (read_tokens(x, ctx, &x->buf_par) < 0) return NULL;
@@ -931,6 +954,7 @@ static PyObject *Index_longest_prefix(Index *x, PyObject *args) {
 
 /* ----- inspection ----- */
 static PyObject *Index_sequence(Index *x, PyObject *args) {
+    if (need_counts(x, "sequence") < 0) return NULL;
     PyObject *sid;
     if (!PyArg_ParseTuple(args, "O", &sid)) return NULL;
     int32_t slot = slot_of(x, sid);
@@ -939,6 +963,7 @@ static PyObject *Index_sequence(Index *x, PyObject *args) {
     return list_of(x->seqs[slot].tokens.v, x->seqs[slot].tokens.n);
 }
 static PyObject *Index_sequence_length(Index *x, PyObject *args) {
+    if (need_counts(x, "sequence_length") < 0) return NULL;
     PyObject *sid;
     if (!PyArg_ParseTuple(args, "O", &sid)) return NULL;
     int32_t slot = slot_of(x, sid);
@@ -947,6 +972,7 @@ static PyObject *Index_sequence_length(Index *x, PyObject *args) {
     return PyLong_FromLong(x->seqs[slot].tokens.n);
 }
 static PyObject *Index_sequence_tail(Index *x, PyObject *args) {
+    if (need_counts(x, "sequence_tail") < 0) return NULL;
     PyObject *sid;
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "On", &sid, &n)) return NULL;
@@ -959,12 +985,14 @@ static PyObject *Index_sequence_tail(Index *x, PyObject *args) {
     return list_of(x->seqs[slot].tokens.v + (len - n), n);
 }
 static PyObject *Index_count_of(Index *x, PyObject *args) {
+    if (need_counts(x, "count_of") < 0) return NULL;
     int s;
     if (!PyArg_ParseTuple(args, "i", &s)) return NULL;
     if (s < 0 || s >= x->n) { PyErr_SetString(PyExc_ValueError, "no such state"); return NULL; }
     return PyLong_FromLong(x->count[s]);
 }
 static PyObject *Index_top_child(Index *x, PyObject *args) {
+    if (need_counts(x, "top_child") < 0) return NULL;
     int s;
     if (!PyArg_ParseTuple(args, "i", &s)) return NULL;
     if (s < 0 || s >= x->n) { PyErr_SetString(PyExc_ValueError, "no such state"); return NULL; }
@@ -977,11 +1005,12 @@ static PyObject *Index_approx_bytes(Index *x, PyObject *Py_UNUSED(a)) {
     for (int32_t i = 0; i < x->npool; i++) extra += x->pool[i].cap;
     for (int32_t i = 0; i < x->nseq; i++)
         seqb += (int64_t)x->seqs[i].tokens.cap * 8 + (int64_t)x->seqs[i].when.cap * 8;
-    return PyLong_FromLongLong((int64_t)x->cap * 40 + (int64_t)x->poolcap * 16 + extra * 4 + (int64_t)x->hcap * 12 + seqb);
+    return PyLong_FromLongLong((int64_t)x->cap * (x->counted ? 40 : 20) + (int64_t)x->poolcap * 16 + extra * 4 + (int64_t)x->hcap * 12 + seqb);
 }
 
 /* ----- pickling: every array as bytes ----- */
 static PyObject *Index_getstate(Index *x, PyObject *Py_UNUSED(a)) {
+    if (need_counts(x, "pickling") < 0) return NULL;
     ivec more_flat = {NULL, 0, 0};  /* state, n, tokens... for states with more */
     for (int32_t s = 0; s < x->n; s++) {
         const ivec *m = more_of(x, s);
@@ -1069,17 +1098,25 @@ static PyObject *Index_setstate(Index *x, PyObject *st) {
 static PyObject *Index_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     Index *x = (Index *)type->tp_alloc(type, 0);
     if (!x) return NULL;
-    x->max_depth = 64; x->compact_ratio = 2.0;
+    x->max_depth = 64; x->compact_ratio = 2.0; x->counted = 1;
     x->ids = PyDict_New();
     if (!x->ids || reset_states(x) < 0) { Py_DECREF(x); return NULL; }
     return (PyObject *)x;
 }
 
 static int Index_init(Index *x, PyObject *args, PyObject *kw) {
-    static char *names[] = {"max_depth", "compact_ratio", NULL};
-    int depth = 64; double ratio = 2.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|id", names, &depth, &ratio)) return -1;
+    static char *names[] = {"max_depth", "compact_ratio", "counts", NULL};
+    int depth = 64, counted = 1; double ratio = 2.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|idp", names, &depth, &ratio, &counted)) return -1;
     if (depth < 1) { PyErr_Format(PyExc_ValueError, "max_depth must be >= 1, got %d", depth); return -1; }
+    if (counted != x->counted) {  /* before anything is inserted: the per-state arrays differ */
+        if (x->n > 1 || PyDict_Size(x->ids)) {
+            PyErr_SetString(PyExc_ValueError, "counts can be chosen only on a new automaton");
+            return -1;
+        }
+        x->counted = counted;
+        if (reset_states(x) < 0) return -1;
+    }
     x->max_depth = depth; x->compact_ratio = ratio;
     return 0;
 }
