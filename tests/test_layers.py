@@ -116,6 +116,18 @@ def test_methods_import_neither_torch_nor_an_engine():
     assert not bad, bad
 
 
+def test_the_simulator_runs_without_importing_torch():
+    """The simulator reads a run's log with no model: its command and the one loop it drives import
+    the torch-free halves of coupled sampling and the verifier (``bench.core.coupling``,
+    ``bench.core.verdicts``), so torch's start-up time and memory stay out of its processes."""
+    import subprocess
+    import sys
+    code = ("import sys, bench.harness.simulate, bench.benchmarks.simulate_scale; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True)
+    assert out.stdout.strip() == "[]", f"the simulator imports {out.stdout.strip()}"
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components with more than one module (Tarjan, iterative)."""
     index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]

@@ -6,7 +6,6 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
-import torch
 from methods.base import RolloutKey
 from bench.core.engine_protocol import Request
 
@@ -16,6 +15,7 @@ def tiny_policy(out: Path, vocab: int = 64, hidden: int = 128, layers: int = 4, 
     """A random-init Llama of about 1M parameters (the size docs/engines.md's CPU figures use) with no EOS token, so
     every rollout runs to max_new_tokens and both engines do the same work; ``scale`` multiplies
     the output layer (sharper next-token distributions)."""
+    import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,

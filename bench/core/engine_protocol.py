@@ -11,8 +11,8 @@ from typing import Callable, Protocol
 
 from methods.base import Drafter, Rollout, RolloutKey
 
-from bench.core.sampling import SamplingConfig, _signed, rollout_seed, splitmix64
-from bench.core.verify import VerifyConfig
+from bench.core.coupling import SamplingConfig, _signed, rollout_seed, splitmix64
+from bench.core.verdicts import VerifyConfig
 
 
 @dataclass

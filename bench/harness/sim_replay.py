@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 from methods.base import Rollout
 
 from bench.core.engine_protocol import Request
-from bench.core.sampling import SamplingConfig
-from bench.core.verify import VerifyConfig
+from bench.core.coupling import SamplingConfig
+from bench.core.verdicts import VerifyConfig
 from bench.spec.policy import SpecPolicy
 from bench.spec.recorded import Recorded, RecordedBackend, feed_finished, recorded_rows
 from bench.spec.scheduler import Scheduler, drain

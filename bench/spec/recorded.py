@@ -18,8 +18,8 @@ from typing import Mapping
 from methods.base import Draft, Drafter, Rollout, RolloutKey
 
 from bench.core.engine_protocol import Request
-from bench.core.sampling import SamplingConfig
-from bench.core.verify import Verdict, VerifyConfig, descend, node_depths
+from bench.core.coupling import SamplingConfig
+from bench.core.verdicts import Verdict, VerifyConfig, descend, node_depths
 from bench.spec.scheduler import LiveRow, PassResult
 
 

@@ -23,9 +23,9 @@ from methods.base import Draft, Drafter, Rollout
 from bench.core.drafting import (DraftCounters, drafts_mode, next_draft, refuse_feature_readers, settle,
                                  tell_verified)
 from bench.core.engine_protocol import Request, RunAheadSource, request_key64
-from bench.core.sampling import SamplingConfig
+from bench.core.coupling import SamplingConfig
 from bench.spec.policy import SpecPolicy
-from bench.core.verify import Verdict, VerifyConfig, nodes_read
+from bench.core.verdicts import Verdict, VerifyConfig, nodes_read
 from bench.spec.groups import forward_groups
 
 
