@@ -423,6 +423,9 @@ def test_methods_in_processes_give_the_serial_result():
     shape = [c for c in serial.attrs["iterations"] if not c.endswith("_s")]  # seconds are measured
     pd.testing.assert_frame_equal(serial.attrs["iterations"][shape], spread.attrs["iterations"][shape])
     assert set(spread.attrs["timings"]) >= set(cfgs)
+    # each distinct cache oracle ran once (tree_cache and seer share theirs), as in the serial run
+    oracles = [[k for k in frame.attrs["timings"] if k.startswith("cache oracle")] for frame in (serial, spread)]
+    assert sorted(oracles[0]) == sorted(oracles[1]) and len(oracles[1]) == 3
     with pytest.raises(SimulationError, match="jobs must be >= 1"):
         simulate(steps, prompts, cfgs, max_new_tokens=256, jobs=0)
 

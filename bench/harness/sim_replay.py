@@ -58,7 +58,7 @@ def run_step(drafter, step: int, rows: list[Recorded], prompts: Mapping[str, lis
 def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str, list[int]],
              method_cfgs: Mapping[str, Any], max_new_tokens: int, progress: bool = False,
              policy: str = "fixed", spec_max_rows: int = 32, run_steps: Sequence[int] | None = None,
-             prices=None, jobs: int = 1) -> pd.DataFrame:
+             prices=None, jobs: int = 1, cache_oracles: bool = True) -> pd.DataFrame:
     """Per-rollout rows (``ROW_COLUMNS``) of every method over the steps in increasing order.
 
     ``policy`` / ``spec_max_rows``: the engine's speculation policy (``engine.spec_policy``,
@@ -75,7 +75,9 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
     cache oracle's forward passes under ``cache_bound(drafter)`` (one oracle run per distinct
     bound). ``rows.attrs["timings"]``: seconds per method and per cache oracle. ``jobs``: methods
     simulated in that many processes at once (each method alone in its process, the results put
-    together in the order of ``method_cfgs``: the same frame as a serial run's).
+    together in the order of ``method_cfgs``: the same frame as a serial run's; each distinct cache
+    oracle is a task of its own, run once). ``cache_oracles=False``: the oracle columns hold 0 passes
+    (their ``cache_oracle`` label still set) and no oracle runs.
     """
     _check_options(max_new_tokens, policy, prices)
     run = sorted(rollouts_by_step) if run_steps is None else sorted(run_steps)
@@ -87,10 +89,11 @@ def simulate(rollouts_by_step: Mapping[int, pd.DataFrame], prompts: Mapping[str,
         raise SimulationError(f"jobs must be >= 1, got {jobs}")
     if jobs > 1 and len(method_cfgs) > 1:
         return _in_processes(rollouts_by_step, prompts, method_cfgs, max_new_tokens, progress, jobs,
-                             dict(policy=policy, spec_max_rows=spec_max_rows, run_steps=run_steps, prices=prices))
+                             dict(policy=policy, spec_max_rows=spec_max_rows, run_steps=run_steps, prices=prices),
+                             cache_oracles)
     settings = _Settings(rollouts_by_step, prompts, max_new_tokens, run, fed, policy, spec_max_rows, prices, progress)
     with _few_collections():
-        return _serial(settings, method_cfgs)
+        return _serial(settings, method_cfgs, cache_oracles)
 
 
 @contextmanager
@@ -111,7 +114,7 @@ def _few_collections():
         gc.unfreeze()
 
 
-def _serial(settings: "_Settings", method_cfgs: Mapping[str, Any]) -> pd.DataFrame:
+def _serial(settings: "_Settings", method_cfgs: Mapping[str, Any], cache_oracles: bool = True) -> pd.DataFrame:
     """Every method in this process, one after another (``simulate``'s settings)."""
     rollouts_by_step, prompts, max_new_tokens = settings.rollouts_by_step, settings.prompts, settings.max_new_tokens
     oracles: dict[CacheBound, dict] = {}
@@ -121,10 +124,9 @@ def _serial(settings: "_Settings", method_cfgs: Mapping[str, Any]) -> pd.DataFra
     for name, cfg in method_cfgs.items():
         drafter = build_drafter(name, cfg)  # one at a time: a drafter's caches go when it is done
         bound = _engine_capped_bound(drafter, max_new_tokens)
-        if bound is not None and bound not in oracles:
+        if cache_oracles and bound is not None and bound not in oracles:
             t0 = time.perf_counter()
-            oracles[bound] = oracle_passes(rollouts_by_step, max_new_tokens, bound.in_flight, bound.budget,
-                                           bound.scope, prompts)
+            oracles[bound] = _oracle(rollouts_by_step, prompts, max_new_tokens, bound)
             timings[f"cache oracle [{bound.label()}]"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         out, log = _method_rows(settings, name, drafter, bound, oracles.get(bound, {}))
@@ -172,6 +174,10 @@ def _fed_steps(rollouts_by_step: Mapping[int, pd.DataFrame], run: list[int]) -> 
             for i, s in enumerate(run)}
 
 
+def _oracle(rollouts_by_step, prompts, max_new_tokens: int, bound: CacheBound) -> dict[tuple[int, str, int], int]:
+    return oracle_passes(rollouts_by_step, max_new_tokens, bound.in_flight, bound.budget, bound.scope, prompts)
+
+
 def _engine_capped_bound(drafter, max_new_tokens: int) -> CacheBound | None:
     """``cache_bound(drafter)``, its budget dropped where the engine's is the tighter one everywhere."""
     bound = cache_bound(drafter)
@@ -208,37 +214,57 @@ _SHARED: tuple = ()  # (rollouts_by_step, prompts) for forked workers: inherited
 
 def _one_method(name, cfg, max_new_tokens, options) -> pd.DataFrame:
     rollouts_by_step, prompts = _SHARED
-    return simulate(rollouts_by_step, prompts, {name: cfg}, max_new_tokens, False, **options)
+    return simulate(rollouts_by_step, prompts, {name: cfg}, max_new_tokens, False, cache_oracles=False, **options)
 
 
-def _in_processes(rollouts_by_step, prompts, method_cfgs, max_new_tokens, progress, jobs, options) -> pd.DataFrame:
-    """``simulate`` with one method per worker process, ``jobs`` at a time, put back in method order.
-    Workers are forked where the platform allows, so the recorded rollouts are shared, not copied per
-    task; a method's drafter seconds are measured under the others' load."""
+def _one_oracle(bound: CacheBound, max_new_tokens: int) -> tuple[dict, float]:
+    rollouts_by_step, prompts = _SHARED
+    t0 = time.perf_counter()
+    return _oracle(rollouts_by_step, prompts, max_new_tokens, bound), time.perf_counter() - t0
+
+
+def _in_processes(rollouts_by_step, prompts, method_cfgs, max_new_tokens, progress, jobs, options,
+                  cache_oracles: bool = True) -> pd.DataFrame:
+    """``simulate`` with one method per worker process, ``jobs`` at a time, put back in method order,
+    and each distinct cache oracle as a task of its own (once, however many methods share it; its
+    passes filled into their rows here). Workers are forked where the platform allows, so the
+    recorded rollouts are shared, not copied per task; a method's drafter seconds are measured
+    under the others' load."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     global _SHARED
     methods = list(method_cfgs)
+    bounds = ({name: _engine_capped_bound(build_drafter(name, method_cfgs[name]), max_new_tokens) for name in methods}
+              if cache_oracles else {})  # a drafter is built to read its bound, then dropped
+    distinct = list(dict.fromkeys(b for b in bounds.values() if b is not None))
     fork = "fork" in multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if fork else "spawn")
     parts: dict[str, pd.DataFrame] = {}
+    oracles: dict[CacheBound, tuple[dict, float]] = {}
     _SHARED = (rollouts_by_step, prompts)
     try:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(methods)), mp_context=context,
+        with ProcessPoolExecutor(max_workers=min(jobs, len(methods) + len(distinct)), mp_context=context,
                                  initializer=None if fork else _share, initargs=() if fork else _SHARED) as pool:
             futures = {pool.submit(_one_method, name, method_cfgs[name], max_new_tokens, options): name
                        for name in methods}
+            futures.update({pool.submit(_one_oracle, b, max_new_tokens): b for b in distinct})
             for future in tqdm(as_completed(futures), total=len(futures), desc=f"simulate ({jobs} jobs)",
                                disable=not progress):
-                parts[futures[future]] = future.result()
+                (parts if isinstance(futures[future], str) else oracles)[futures[future]] = future.result()
     finally:
         _SHARED = ()
     frames = [parts[name] for name in methods]
-    rows = pd.concat(frames, ignore_index=True)
     timings: dict[str, float] = {}
-    for frame in frames:
+    for b in distinct:
+        timings[f"cache oracle [{b.label()}]"] = oracles[b][1]
+    for name, frame in zip(methods, frames):
+        if bounds.get(name) is not None:
+            passes = oracles[bounds[name]][0]
+            frame["cache_oracle_num_forward_passes"] = [
+                passes.get((s, p, i), 0) for s, p, i in zip(frame["step"], frame["prompt_id"], frame["sample_idx"])]
         timings.update(frame.attrs["timings"])
+    rows = pd.concat(frames, ignore_index=True)
     rows.attrs["timings"] = timings
     rows.attrs["iterations"] = pd.concat([f.attrs["iterations"] for f in frames], ignore_index=True)
     return rows
