@@ -70,24 +70,43 @@ def simulate_scale(methods=SCALE_METHODS, probe=None, steps: int = 8, prompts: i
     as large as in the whole log), its time scaled by the token ratio as an estimate. Last, the oracle's structure for
     one rollout: suffix automaton states against the nodes of the old oracle's depth-max_len trie.
     """
-    from bench.harness.sim_synthetic import synthetic_log, write_log
-    t = time.perf_counter()
-    log, _ = synthetic_log(steps=steps, prompts=prompts, samples=samples, max_len=max_len)
-    gen_s = time.perf_counter() - t
-    tokens = sum(len(x) for df in log.values() for x in df["token_ids"])
+    import json
+    import sys
     with tempfile.TemporaryDirectory() as tmp:
-        full = write_log(log, Path(tmp) / "full")
-        rows = _together_rows(full, methods, tokens, gen_s, timeout, jobs)
-        if probe_prompts and probe_prompts < prompts:
-            keep = {f"p{i}" for i in range(probe_prompts)}
-            cut = {s: df[df["prompt_id"].isin(keep)].reset_index(drop=True) for s, df in log.items()}
-            cut_tokens = sum(len(x) for df in cut.values() for x in df["token_ids"])
-            small = write_log(cut, Path(tmp) / "cut")
-            where = f"alone, {probe_prompts} of {prompts} prompts"
+        cut = probe_prompts if probe_prompts and probe_prompts < prompts else 0
+        made = run_measured([sys.executable, "-c", "import sys; from bench.benchmarks.simulate_scale import _write_logs; "
+                             "_write_logs(*sys.argv[1:])", tmp, *map(str, (steps, prompts, samples, max_len, cut))],
+                            timeout)
+        if made["status"]:
+            raise RuntimeError(f"writing the synthetic log failed: {made['error']}")
+        tokens, cut_tokens = json.loads(made["stdout"].splitlines()[-1])
+        full = Path(tmp) / "full"
+        rows = _together_rows(full, methods, tokens, made["wall_s"], timeout, jobs)
+        if cut:
+            small, where = Path(tmp) / "cut", f"alone, {probe_prompts} of {prompts} prompts"
         else:  # each probe method alone on the whole log
             cut_tokens, small, where = tokens, full, "alone, whole log"
         rows += _probe_rows(small, methods, probe, where, tokens, cut_tokens, timeout)
     return rows + _structure_rows(max_len)
+
+
+def _write_logs(tmp: str, steps: str, prompts: str, samples: str, max_len: str, cut: str) -> None:
+    """The synthetic log under ``tmp``/full (and, with ``cut`` > 0, the log cut to that many prompts
+    under ``tmp``/cut); prints [tokens, tokens of the cut]. Run in a child process: a command's peak
+    RSS as this benchmark reads it (``ru_maxrss`` through ``wait4``) starts from its parent's peak,
+    and the log in memory would be that peak."""
+    import json
+    from bench.harness.sim_synthetic import synthetic_log, write_log
+    log, _ = synthetic_log(steps=int(steps), prompts=int(prompts), samples=int(samples), max_len=int(max_len))
+    tokens = sum(len(x) for df in log.values() for x in df["token_ids"])
+    write_log(log, Path(tmp) / "full")
+    cut_tokens = 0
+    if int(cut):
+        keep = {f"p{i}" for i in range(int(cut))}
+        small = {s: df[df["prompt_id"].isin(keep)].reset_index(drop=True) for s, df in log.items()}
+        cut_tokens = sum(len(x) for df in small.values() for x in df["token_ids"])
+        write_log(small, Path(tmp) / "cut")
+    print(json.dumps([tokens, cut_tokens]))
 
 
 def _parts_text(stdout: str) -> str:
@@ -101,7 +120,7 @@ def _together_rows(full: Path, methods, tokens: int, gen_s: float, timeout: floa
     cmd = [sys.executable, "-m", "bench.harness.simulate", str(full), *[a for m in methods for a in ("--method", m)],
            "--jobs", str(jobs)]
     r = run_measured(cmd, timeout)
-    print(f"$ python -m bench.harness.simulate LOG {' '.join(cmd[4:])}   (log generated in {gen_s:.1f}s)")
+    print(f"$ python -m bench.harness.simulate LOG {' '.join(cmd[4:])}   (log generated and written in {gen_s:.1f}s)")
     print(r["stdout"])
     rows = [{"run": f"together, whole log, {jobs} process{'es' if jobs > 1 else ''}", "methods": ",".join(methods),
              "tokens": tokens, "wall_s": r["wall_s"], "peak_rss_mb": r["peak_rss_mb"], "status": r["status"],
