@@ -52,7 +52,7 @@ typedef struct {
     PyObject_HEAD
     int32_t max_depth;
     int counted;        /* 0: transitions only (no counts, times, top children or texts: the cache
-                           oracle's walk, about a third of the memory); see need_counts */
+                           oracle's walk, about half the memory); see need_counts */
     double compact_ratio;
     int64_t version;
     /* states */
