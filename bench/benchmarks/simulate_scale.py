@@ -36,18 +36,17 @@ def _sim_parts(stdout: str) -> dict[str, float]:
 
 def _cache_oracles(log_dir: str) -> None:
     """Every distinct cache oracle of the simulable methods on a log, alone: seconds and tokens per step."""
-    from bench.harness.sim_cache_oracle import cache_bound, oracle_passes
+    from bench.harness.sim_cache_oracle import oracle_passes
     from bench.harness.sim_inputs import load_input
     from bench.harness.sim_methods import FUTURE_ORACLE, build_drafter, method_config, simulable_methods
+    from bench.harness.sim_replay import _engine_capped_bound
     steps, prompts, _ = load_input(log_dir)
     max_new = max(len(t) for df in steps.values() for t in df["token_ids"])
     tokens = sum(len(t) for df in steps.values() for t in df["token_ids"])
     bounds: dict = {}
     for m in simulable_methods():
         if m != FUTURE_ORACLE:
-            b = cache_bound(build_drafter(m, method_config(m)))
-            bounds.setdefault(b._replace(budget=None) if b.budget is not None and b.budget >= max_new - 1 else b,
-                              []).append(m)
+            bounds.setdefault(_engine_capped_bound(build_drafter(m, method_config(m)), max_new), []).append(m)
     parts = []
     for b, names in bounds.items():
         t = time.perf_counter()
