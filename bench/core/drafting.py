@@ -232,12 +232,13 @@ def settle(counters: DraftCounters, draft_len: int, emitted: Sequence[int], num_
     Example: draft [5, 6, 2], emitted [5, 6, 2, 7] (3 accepted + the bonus), stops {2}
     -> Settled(3, 3, "stop"): the bonus after the stop token is dropped.
     """
-    n = cut_emitted(emitted, stops, max_new_tokens - out_len)
-    accepted = min(num_accepted, n)
+    room = max_new_tokens - out_len
+    n = cut_emitted(emitted, stops, room) if stops or room < len(emitted) else len(emitted)  # else: all of it
+    accepted = num_accepted if num_accepted < n else n
     if draft_len:
         counters.record(draft_len, accepted)
     else:  # an undrafted pass: the common case, counted without the call
         counters.num_forward_passes += 1
     if n and stops and emitted[n - 1] in stops:
         return Settled(n, accepted, "stop")
-    return Settled(n, accepted, "length" if out_len + n >= max_new_tokens else "")
+    return Settled(n, accepted, "length" if n >= room else "")

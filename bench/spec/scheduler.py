@@ -25,7 +25,7 @@ from bench.core.drafting import (DraftCounters, drafts_mode, next_draft, refuse_
 from bench.core.engine_protocol import Request, RunAheadSource, request_key64
 from bench.core.coupling import SamplingConfig
 from bench.spec.policy import SpecPolicy
-from bench.core.verdicts import Verdict, VerifyConfig, nodes_read
+from bench.core.verdicts import WINDOW, Verdict, VerifyConfig, nodes_read
 from bench.spec.groups import forward_groups
 
 
@@ -270,22 +270,27 @@ class Scheduler:
         contexts = state.contexts
         draft_lens = [len(d.token_ids) for d in drafts]
         pending = [len(r.pending) for r in rows]
-        sizes = [p + k for p, k in zip(pending, draft_lens)]
+        sizes = list(map(int.__add__, pending, draft_lens))
         ahead = any(r.request.run_ahead for r in rows)
         lookup = self.policy.lookup  # None without a table (or "auto" before load)
         by_table = None if lookup is None else (lambda r, q: lookup.one(r, q, state.context_mean))
         verdicts: list = [None] * len(rows)
-        features: list = [None] * len(rows)
+        features: list | None = None  # per row, once a pass hands hidden states back
         calls = []
         groups = forward_groups(sizes, seconds=by_table)
+        whole = len(groups) == 1  # the common case: every row, read off the iteration's lists
         for group in groups:
-            g_drafts = drafts if len(groups) == 1 else [drafts[i] for i in group]
+            g_drafts = drafts if whole else [drafts[i] for i in group]
             result = self.backend.forward(rows, group, g_drafts, sampling, verify)
-            for j, (i, v) in enumerate(zip(group, result.verdicts)):
-                verdicts[i] = v
+            if whole:
+                verdicts, features = result.verdicts, result.features
+            else:
+                for i, v in zip(group, result.verdicts):
+                    verdicts[i] = v
                 if result.features is not None:
-                    features[i] = result.features[j]
-            whole = len(groups) == 1  # the common case: every row, read off the iteration's lists
+                    features = features or [None] * len(rows)
+                    for j, i in enumerate(group):
+                        features[i] = result.features[j]
             ctx = contexts if whole else [contexts[i] for i in group]
             g_sizes = sizes if whole else [sizes[i] for i in group]
             widest, queries = max(g_sizes), sum(g_sizes)
@@ -305,13 +310,20 @@ class Scheduler:
         now = self.clock() - t0
         self.backend.commit(rows, verdicts)
         records = self.policy.kind == "throughput_optimal"
-        settled = [self._settle(row, d, v, stops, now, records) for row, d, v in zip(rows, drafts, verdicts)]
+        settle_row = self._settle
+        settled = [settle_row(row, d, v, stops, now, records) for row, d, v in zip(rows, drafts, verdicts)]
         self._feed_back(rows, settled, features, drafter, state)
         state.prefill = [call.pop("prefill") for call in calls]
         ratio = verify.rule == "ratio"
         for call in calls:
             group = call.pop("group")
-            call["accepted_tokens"] = sum(settled[i][1] for i in group)
+            if whole:
+                call["accepted_tokens"] = sum(s[1] for s in settled)
+                if max(draft_lens) < WINDOW:  # every row's draft fits one window: it reads all of it
+                    call["nodes_read"] = call["draft_tokens"] + len(rows)
+                    continue
+            else:
+                call["accepted_tokens"] = sum(settled[i][1] for i in group)
             call["nodes_read"] = sum(nodes_read(draft_lens[i], verdicts[i].path, ratio=ratio) for i in group)
         return calls
 
@@ -321,9 +333,10 @@ class Scheduler:
         show the policy what was accepted); the tokens kept and how many of them were accepted."""
         path, emitted = v.path, v.emitted
         output = row.output
-        row.cached += len(row.pending) - 1 + len(path)
+        accepted = len(path) - 1
+        row.cached += len(row.pending) + accepted
         draft_len = len(d.token_ids)
-        kept = settle(row.counters, draft_len, emitted, len(path) - 1, stops, len(output), row.limit)
+        kept = settle(row.counters, draft_len, emitted, accepted, stops, len(output), row.limit)
         lps, mgs = v.logprobs, v.margins
         if kept.n < len(emitted):
             emitted, lps, mgs = emitted[:kept.n], lps[:kept.n], mgs[:kept.n]
@@ -346,16 +359,20 @@ class Scheduler:
             row.finish_reason = row.final_reason or "stop"
         return emitted, kept.accepted
 
-    def _feed_back(self, rows: list[LiveRow], settled: list[tuple[list[int], int]], features: list,
+    def _feed_back(self, rows: list[LiveRow], settled: list[tuple[list[int], int]], features: list | None,
                    drafter: Drafter, state: IterationState) -> None:
         """Every row's kept tokens to the drafter, in row order (the hidden states behind them first,
         to a drafter that reads them): one clock reading for the whole batch."""
         t_d = self.clock()
         observe = drafter.observe
-        for row, (emitted, _), f in zip(rows, settled, features):
-            if f is not None and emitted:
-                drafter.observe_features(row.request.key, f[:len(emitted)])
-            observe(row.request.key, emitted)
+        if features is None:  # no hidden states kept (every drafter but a feature reader)
+            for row, (emitted, _) in zip(rows, settled):
+                observe(row.request.key, emitted)
+        else:
+            for row, (emitted, _), f in zip(rows, settled, features):
+                if f is not None and emitted:
+                    drafter.observe_features(row.request.key, f[:len(emitted)])
+                observe(row.request.key, emitted)
         state.drafter_s += self.clock() - t_d
 
     def _log(self, calls: list[dict], drafter_s: float, total_s: float, model: dict | None = None) -> None:
