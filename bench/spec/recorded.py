@@ -77,7 +77,8 @@ class RecordedBackend:
 
     def forward(self, rows: list[LiveRow], group: list[int], drafts: list[Draft], sampling: SamplingConfig,
                 verify: VerifyConfig) -> PassResult:
-        verdicts = [recorded_verdict(rows[i].state, len(rows[i].output), d) for i, d in zip(group, drafts)]
+        grouped = rows if len(group) == len(rows) else [rows[i] for i in group]  # one group (most passes): all rows
+        verdicts = [recorded_verdict(row.state, len(row.output), d) for row, d in zip(grouped, drafts)]
         return PassResult(verdicts, 0.0, 0.0)
 
     def commit(self, rows: list[LiveRow], verdicts: list[Verdict]) -> None:

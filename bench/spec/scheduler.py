@@ -336,28 +336,28 @@ class Scheduler:
         accepted = len(path) - 1
         row.cached += len(row.pending) + accepted
         draft_len = len(d.token_ids)
-        kept = settle(row.counters, draft_len, emitted, accepted, stops, len(output), row.limit)
+        n, accepted, reason = settle(row.counters, draft_len, emitted, accepted, stops, len(output), row.limit)
         lps, mgs = v.logprobs, v.margins
-        if kept.n < len(emitted):
-            emitted, lps, mgs = emitted[:kept.n], lps[:kept.n], mgs[:kept.n]
+        if n < len(emitted):
+            emitted, lps, mgs = emitted[:n], lps[:n], mgs[:n]
         if records and draft_len:  # a first draft (output length 0, verified in the prefill) is no
             # evidence for the drafts of decoding: it has a tracker of its own
-            self.policy.record(draft_len, kept.accepted, None if d.parents is None else
-                               [j - 1 for j in path[1:1 + kept.accepted]], d.parents, first=not output)
+            self.policy.record(draft_len, accepted, None if d.parents is None else
+                               [j - 1 for j in path[1:1 + accepted]], d.parents, first=not output)
         if not output:
             row.first_t = now
         output += emitted
-        row.logprobs += lps
+        row.logprobs.extend(lps)
         if mgs:
-            row.margins += mgs
+            row.margins.extend(mgs)
         row.last_t = now
         if emitted:
             row.pending = [emitted[-1]]
-        if kept.finish_reason:
-            row.finish_reason = row.final_reason or kept.finish_reason
+        if reason:
+            row.finish_reason = row.final_reason or reason
         elif not emitted:  # nothing left to emit (an empty recorded rollout)
             row.finish_reason = row.final_reason or "stop"
-        return emitted, kept.accepted
+        return emitted, accepted
 
     def _feed_back(self, rows: list[LiveRow], settled: list[tuple[list[int], int]], features: list | None,
                    drafter: Drafter, state: IterationState) -> None:
