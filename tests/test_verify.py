@@ -255,3 +255,13 @@ def test_reads_computed_elsewhere_give_the_verdict_of_logits(sampling):
         assert asked and len(set(asked)) == len(asked)  # each node read once
         assert [(v.emitted, v.path, v.logprobs, v.margins) for v in got] == \
             [(v.emitted, v.path, v.logprobs, v.margins) for v in expected]
+
+
+def test_a_pass_reads_the_sum_of_its_rows_nodes():
+    from bench.core.verdicts import WINDOW, nodes_read, pass_nodes_read
+    lens, paths = [0, 3, 2 * WINDOW + 5], [[0], [0, 1], list(range(WINDOW + 3))]
+    assert pass_nodes_read(lens[:2], paths[:2]) == 1 + 4  # within one window: every node
+    for ratio in (False, True):
+        assert pass_nodes_read(lens, iter(paths), ratio) == sum(nodes_read(k, p, ratio=ratio)
+                                                               for k, p in zip(lens, paths))
+    assert pass_nodes_read([], []) == 0

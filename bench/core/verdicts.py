@@ -152,3 +152,12 @@ def nodes_read(draft_len: int, path: Sequence[int], window: int = WINDOW, ratio:
         else:
             return reads
         window = min(2 * window, cap)
+
+
+
+def pass_nodes_read(draft_lens: Sequence[int], paths, ratio: bool = False) -> int:
+    """:func:`nodes_read` summed over one pass's rows (``paths``: their verdicts' paths, read only
+    when some draft is wider than the first window; below it every row reads all its nodes)."""
+    if max(draft_lens, default=0) < WINDOW:
+        return sum(draft_lens) + len(draft_lens)
+    return sum(nodes_read(k, path, ratio=ratio) for k, path in zip(draft_lens, paths))

@@ -25,7 +25,7 @@ from bench.core.drafting import (DraftCounters, drafts_mode, next_draft, refuse_
 from bench.core.engine_protocol import Request, RunAheadSource, request_key64
 from bench.core.coupling import SamplingConfig
 from bench.spec.policy import SpecPolicy
-from bench.core.verdicts import WINDOW, Verdict, VerifyConfig, nodes_read
+from bench.core.verdicts import Verdict, VerifyConfig, pass_nodes_read
 from bench.spec.groups import forward_groups
 
 
@@ -270,7 +270,7 @@ class Scheduler:
         contexts = state.contexts
         draft_lens = [len(d.token_ids) for d in drafts]
         pending = [len(r.pending) for r in rows]
-        sizes = list(map(int.__add__, pending, draft_lens))
+        sizes = [p + k for p, k in zip(pending, draft_lens)]
         ahead = any(r.request.run_ahead for r in rows)
         lookup = self.policy.lookup  # None without a table (or "auto" before load)
         by_table = None if lookup is None else (lambda r, q: lookup.one(r, q, state.context_mean))
@@ -317,14 +317,9 @@ class Scheduler:
         ratio = verify.rule == "ratio"
         for call in calls:
             group = call.pop("group")
-            if whole:
-                call["accepted_tokens"] = sum(s[1] for s in settled)
-                if max(draft_lens) < WINDOW:  # every row's draft fits one window: it reads all of it
-                    call["nodes_read"] = call["draft_tokens"] + len(rows)
-                    continue
-            else:
-                call["accepted_tokens"] = sum(settled[i][1] for i in group)
-            call["nodes_read"] = sum(nodes_read(draft_lens[i], verdicts[i].path, ratio=ratio) for i in group)
+            call["accepted_tokens"] = sum(s[1] for s in settled) if whole else sum(settled[i][1] for i in group)
+            call["nodes_read"] = pass_nodes_read(draft_lens if whole else [draft_lens[i] for i in group],
+                                                 (verdicts[i].path for i in group), ratio=ratio)
         return calls
 
     def _settle(self, row: LiveRow, d: Draft, v: Verdict, stops: set[int], now: float,
