@@ -11,10 +11,24 @@ from typing import Protocol, Sequence, runtime_checkable
 
 @dataclass(frozen=True)
 class RolloutKey:
-    """Identity of a rollout slot across RL steps: the same (prompt, sample) at every visit."""
+    """Identity of a rollout slot across RL steps: the same (prompt, sample) at every visit.
+
+    Its hash is computed once and kept (drafters look every row up by key on every pass); the
+    kept hash is never pickled, since a string's hash differs between processes."""
 
     prompt_id: str
     sample_idx: int  # 0..n-1 within the GRPO group
+
+    def __hash__(self) -> int:
+        try:
+            return self._hash
+        except AttributeError:  # first use (or a key unpickled from before the hash was kept)
+            h = hash((self.prompt_id, self.sample_idx))
+            object.__setattr__(self, "_hash", h)
+            return h
+
+    def __reduce__(self):
+        return (RolloutKey, (self.prompt_id, self.sample_idx))
 
 
 @dataclass
@@ -114,6 +128,10 @@ class Drafter(Protocol):
       ``live`` = [(key, output length), ...] of every running row in batch order and ``budget`` the
       speculation policy's cap on every row's verified draft this iteration (None: no cap).
       Batch-aware drafters (Seer's tail-first pool) read it.
+    - ``propose_batch(keys, outputs, budgets)`` / ``observe_batch(keys, new_tokens)``: the same calls
+      for every row of an iteration at once, in batch order; each equals its per-row calls made in
+      that order (``NullDrafter``'s do exactly that). The scheduler calls them, looked up on the
+      type; a drafter overrides them only to do the same work with less per-row overhead.
     - ``verified(key, draft_len)``: the policy cut the last proposal of ``key`` to its first
       ``draft_len`` nodes before verifying it; ``observe`` then reports what those nodes produced.
       Adaptive drafters (RhymeRL's AIMD length) judge what was verified, not what they proposed.
@@ -135,7 +153,9 @@ DRAFTS = ("never", "first", "decoding")
 
 class NullDrafter:
     """A drafter that does nothing; subclasses override what they need. A subclass that overrides
-    ``propose`` drafts while decoding unless it declares otherwise (``drafts``)."""
+    ``propose`` drafts while decoding unless it declares otherwise (``drafts``); one that overrides
+    ``propose`` (``observe``) and not ``propose_batch`` (``observe_batch``) gets the per-row batch
+    form back, so an inherited fast batch form never skips the subclass's per-row rule."""
 
     name = "null"
     drafts = "never"
@@ -144,6 +164,9 @@ class NullDrafter:
         super().__init_subclass__(**kwargs)
         if "drafts" not in cls.__dict__ and cls.propose is not NullDrafter.propose:
             cls.drafts = "decoding"
+        for one, batch in (("propose", "propose_batch"), ("observe", "observe_batch")):
+            if one in cls.__dict__ and batch not in cls.__dict__:
+                setattr(cls, batch, getattr(NullDrafter, batch))
         if cls.drafts not in DRAFTS:
             raise TypeError(f"{cls.__name__}.drafts must be one of {DRAFTS}, got {cls.drafts!r}")
 
@@ -159,11 +182,23 @@ class NullDrafter:
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
         return Draft()
 
+    def propose_batch(self, keys: Sequence[RolloutKey], outputs: Sequence[Sequence[int]],
+                      budgets: Sequence[int]) -> list[Draft]:
+        """``propose`` for each row in order (what every batch form must equal)."""
+        propose = self.propose
+        return [propose(k, o, b) for k, o, b in zip(keys, outputs, budgets)]
+
     def verified(self, key: RolloutKey, draft_len: int) -> None:
         pass
 
     def observe(self, key: RolloutKey, new_tokens: Sequence[int]) -> None:
         pass
+
+    def observe_batch(self, keys: Sequence[RolloutKey], new_tokens: Sequence[Sequence[int]]) -> None:
+        """``observe`` for each row in order (what every batch form must equal)."""
+        observe = self.observe
+        for k, t in zip(keys, new_tokens):
+            observe(k, t)
 
     def finish(self, key: RolloutKey, rollout: Rollout) -> None:
         pass

@@ -125,6 +125,22 @@ class DASDrafter(TreeCacheDrafter):
         self._class_proposals[cls] += 1
         return self._draft(key, output, min(self.max_spec_tokens, budget, self.budgets[cls]))
 
+    def propose_batch(self, keys: Sequence[RolloutKey], outputs: Sequence[Sequence[int]],
+                      budgets: Sequence[int]) -> list[Draft]:
+        """``propose`` for each row: the classes row by row, the drafts in one compiled call."""
+        if not self.in_flight or self.backend != "compiled":
+            return [self.propose(k, o, b) for k, o, b in zip(keys, outputs, budgets)]
+        limits, counts, classes = [], self._class_proposals, self.budgets
+        for key, output, budget in zip(keys, outputs, budgets):
+            n = len(output)
+            if n + budget + 1 > self._cap:
+                self._cap = n + budget + 1
+            cls = self.length_class(key.prompt_id, n)
+            counts[cls] += 1
+            limits.append(min(budget, classes[cls]))
+        self._proposals += len(keys)
+        return self._compiled_drafts(keys, outputs, limits)
+
     def finish(self, key: RolloutKey, rollout: Rollout) -> None:
         started = key in self._live
         first_free = self._next_seq

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.suffix.compiled import extend_many, speculate_own_many
 from methods.suffix.tree import START, ContextMatcher, SuffixTrie, make_tree, resolve_backend
 
 MATCH_RULES = ("longest", "best")  # SRT's paper / SuffixDecoding's best score over match lengths
@@ -103,6 +104,36 @@ class TreeCacheDrafter(NullDrafter):
                     del matcher[:-self.max_depth]
             else:
                 matcher.feed(new_tokens)
+
+    def observe_batch(self, keys: Sequence[RolloutKey], new_tokens: Sequence[Sequence[int]]) -> None:
+        """``observe`` for each row; on the compiled in-flight tries, one call for the batch."""
+        if not self.in_flight or self.backend != "compiled":
+            for key, toks in zip(keys, new_tokens):
+                self.observe(key, toks)
+            return
+        live, tries = self._live, self._tries
+        ids = [live.get(k) for k in keys]
+        extend_many([tries.get(k.prompt_id) for k in keys], ids, list(new_tokens))
+
+    def propose_batch(self, keys: Sequence[RolloutKey], outputs: Sequence[Sequence[int]],
+                      budgets: Sequence[int]) -> list[Draft]:
+        """``propose`` for each row; on the compiled in-flight tries, one call for the batch."""
+        if not self.in_flight or self.backend != "compiled":
+            return [self.propose(k, o, b) for k, o, b in zip(keys, outputs, budgets)]
+        self._proposals += len(keys)
+        return self._compiled_drafts(keys, outputs, budgets)
+
+    def _compiled_drafts(self, keys: Sequence[RolloutKey], outputs: Sequence[Sequence[int]],
+                         limits: Sequence[int]) -> list[Draft]:
+        """``_draft`` of each row (at most ``min(max_spec_tokens, limit)`` tokens) in one compiled call."""
+        live, tries = self._live, self._tries
+        results, drafts, tokens, match_sum = speculate_own_many(
+            [tries.get(k.prompt_id) for k in keys], [live.get(k) for k in keys], list(outputs), list(limits),
+            self.max_spec_tokens, self.match == "longest", self.factor, self.offset, self.min_prob, self.tree)
+        self._drafts += drafts
+        self._draft_tokens += tokens
+        self._match_len_sum += match_sum
+        return [Draft(toks, parents) for toks, parents in results]
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
         """Longest-suffix draft from this prompt's trie (sibling and earlier rollouts).

@@ -132,6 +132,43 @@ def next_draft(drafter: Drafter, key: RolloutKey, output: Sequence[int], max_new
     return draft
 
 
+def next_drafts(drafter: Drafter, keys: Sequence[RolloutKey], outputs: Sequence[Sequence[int]],
+                max_new_tokens: int) -> list[Draft]:
+    """:func:`next_draft` for every row of an iteration, in order, through the drafter's
+    ``propose_batch`` (looked up on its type, so a wrapper's per-row calls stay its own) where it
+    has one: rows with no room are not asked and get an empty draft."""
+    batch = getattr(type(drafter), "propose_batch", None)
+    if batch is None:
+        return [next_draft(drafter, k, o, max_new_tokens) for k, o in zip(keys, outputs)]
+    budgets = [max_new_tokens - len(o) - 1 for o in outputs]
+    if min(budgets, default=1) > 0:
+        drafts = batch(drafter, keys, outputs, budgets)
+    else:  # some rows have no room: ask the others
+        asked = [i for i, b in enumerate(budgets) if b > 0]
+        drafts = [Draft() for _ in keys]
+        for i, d in zip(asked, batch(drafter, [keys[i] for i in asked], [outputs[i] for i in asked],
+                                     [budgets[i] for i in asked])):
+            drafts[i] = d
+    for i, (d, b) in enumerate(zip(drafts, budgets)):
+        if len(d.token_ids) > b:
+            drafts[i] = d = d.truncated(b)
+        if d.parents is not None:
+            d.validate()
+    return drafts
+
+
+def observe_all(drafter: Drafter, keys: Sequence[RolloutKey], new_tokens: Sequence[Sequence[int]]) -> None:
+    """``observe`` every row's kept tokens, in order, through ``observe_batch`` where the drafter's
+    type has one."""
+    batch = getattr(type(drafter), "observe_batch", None)
+    if batch is not None:
+        batch(drafter, keys, new_tokens)
+        return
+    observe = drafter.observe
+    for k, t in zip(keys, new_tokens):
+        observe(k, t)
+
+
 @dataclass(slots=True)
 class DraftCounters:
     """Per-rollout counters (docs/results.md; names as vLLM's).

@@ -20,8 +20,8 @@ from typing import Any, Protocol, Sequence
 
 from methods.base import Draft, Drafter, Rollout
 
-from bench.core.drafting import (DraftCounters, drafts_mode, next_draft, refuse_feature_readers, settle,
-                                 tell_verified)
+from bench.core.drafting import (DraftCounters, drafts_mode, next_drafts, observe_all, refuse_feature_readers,
+                                 settle, tell_verified)
 from bench.core.engine_protocol import Request, RunAheadSource, request_key64
 from bench.core.coupling import SamplingConfig
 from bench.spec.policy import SpecPolicy
@@ -242,7 +242,8 @@ class Scheduler:
         hook = getattr(drafter, "begin_iteration", None)
         if hook is not None:
             hook([(row.request.key, len(row.output)) for row in rows], budget=cap)
-        drafts = [next_draft(drafter, row.request.key, row.output, sampling.max_new_tokens) for row in rows]
+        drafts = next_drafts(drafter, [row.request.key for row in rows], [row.output for row in rows],
+                             sampling.max_new_tokens)
         state.drafter_s += self.clock() - t_d
         any_first = any(first)  # else (most iterations) every draft is a decoding one: nothing to split
         if cap != 0:  # asked for the first drafts only when budget said 0: the others stay undrafted
@@ -359,11 +360,10 @@ class Scheduler:
         """Every row's kept tokens to the drafter, in row order (the hidden states behind them first,
         to a drafter that reads them): one clock reading for the whole batch."""
         t_d = self.clock()
-        observe = drafter.observe
         if features is None:  # no hidden states kept (every drafter but a feature reader)
-            for row, (emitted, _) in zip(rows, settled):
-                observe(row.request.key, emitted)
+            observe_all(drafter, [row.request.key for row in rows], [s[0] for s in settled])
         else:
+            observe = drafter.observe
             for row, (emitted, _), f in zip(rows, settled, features):
                 if f is not None and emitted:
                     drafter.observe_features(row.request.key, f[:len(emitted)])

@@ -1188,7 +1188,122 @@ static PyTypeObject IndexType = {
     .tp_as_sequence = &Index_as_sequence,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_compiled", NULL, -1, NULL};
+/* ---- one iteration's rows at once: the in-flight tree drafters' propose_batch / observe_batch ----
+   Row i's automaton is indexes[i] (one per prompt), its sequence seq_ids[i]; each row does what the
+   per-row calls do, in row order, so a batch equals its calls made one by one. */
+
+static Index *row_index(PyObject *obj, Py_ssize_t i) {
+    if (!PyObject_TypeCheck(obj, &IndexType)) {
+        PyErr_Format(PyExc_TypeError, "row %zd: expected a CompiledAutomaton, got %.80s", i, Py_TYPE(obj)->tp_name);
+        return NULL;
+    }
+    return (Index *)obj;
+}
+
+/* speculate_own_many(indexes, seq_ids, outputs, budgets, cap, longest, factor, offset, min_prob, tree)
+   -> (results, drafts, draft_tokens, match_len_sum). results[i]: (tokens, parents) of row i's draft
+   of at most min(cap, budgets[i]) tokens, empty where its index or sequence id is None or that
+   limit is 0 or the sequence is longer than START + outputs[i]; a sequence shorter than that is
+   first topped up from outputs[i] (the engine showed tokens it did not observe), as the per-row
+   propose does. The sums count the non-empty drafts returned. */
+static PyObject *speculate_own_many(PyObject *mod, PyObject *args) {
+    PyObject *indexes, *sids, *outputs, *budgets; int cap, longest, tree; double factor, offset, min_prob;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!ipdddp", &PyList_Type, &indexes, &PyList_Type, &sids, &PyList_Type,
+                          &outputs, &PyList_Type, &budgets, &cap, &longest, &factor, &offset, &min_prob, &tree))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(indexes);
+    if (PyList_GET_SIZE(sids) != n || PyList_GET_SIZE(outputs) != n || PyList_GET_SIZE(budgets) != n) {
+        PyErr_SetString(PyExc_ValueError, "speculate_own_many: indexes, seq_ids, outputs and budgets differ in length");
+        return NULL;
+    }
+    PyObject *results = PyList_New(n);
+    if (!results) return NULL;
+    long drafts = 0, draft_tokens = 0, match_sum = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *io = PyList_GET_ITEM(indexes, i), *sid = PyList_GET_ITEM(sids, i), *r = NULL;
+        long budget = PyLong_AsLong(PyList_GET_ITEM(budgets, i));
+        if (budget == -1 && PyErr_Occurred()) goto fail;
+        long limit = cap < budget ? cap : budget;
+        Index *x = NULL;
+        int32_t slot = -1;
+        if (io != Py_None && sid != Py_None && limit > 0) {
+            if (!(x = row_index(io, i)) || need_counts(x, "speculate_own_many") < 0) goto fail;
+            if ((slot = slot_of(x, sid)) == -2) goto fail;
+            if (slot < 0) { PyErr_SetObject(PyExc_KeyError, sid); goto fail; }
+        }
+        if (slot < 0) {
+            r = Py_BuildValue("([]O)", Py_None);
+        } else {
+            PyObject *output = PyList_GET_ITEM(outputs, i);
+            Py_ssize_t out_len = PyObject_Length(output);
+            if (out_len < 0) goto fail;
+            Py_ssize_t have = x->seqs[slot].tokens.n - 1;
+            if (have < out_len) {  /* the engine showed tokens it did not observe: take them */
+                PyObject *tail = PySequence_GetSlice(output, have, out_len);
+                if (!tail) goto fail;
+                int bad = read_tokens(x, tail, &x->buf_tok);
+                Py_DECREF(tail);
+                if (bad < 0 || insert(x, slot, x->buf_tok.v, x->buf_tok.n, NULL) < 0) goto fail;
+                x->version++;
+                have = out_len;
+            }
+            if (have > out_len) {
+                r = Py_BuildValue("([]O)", Py_None);
+            } else {
+                int32_t nm = own_matches(x, slot);
+                if (nm < 0) goto fail;
+                PyObject *spec = spec_rule(x, x->buf_match, nm, longest, (int32_t)limit, factor, offset, min_prob, tree);
+                if (!spec) goto fail;
+                PyObject *toks = PyTuple_GET_ITEM(spec, 0);
+                Py_ssize_t k = PyList_GET_SIZE(toks);
+                if (k) { drafts++; draft_tokens += (long)k; match_sum += PyLong_AsLong(PyTuple_GET_ITEM(spec, 3)); }
+                r = PyTuple_Pack(2, toks, PyTuple_GET_ITEM(spec, 1));
+                Py_DECREF(spec);
+            }
+        }
+        if (!r) goto fail;
+        PyList_SET_ITEM(results, i, r);
+    }
+    return Py_BuildValue("(Nlll)", results, drafts, draft_tokens, match_sum);
+fail:
+    Py_DECREF(results);
+    return NULL;
+}
+
+/* extend_many(indexes, seq_ids, token_lists): indexes[i].extend(seq_ids[i], token_lists[i]) for every
+   row whose sequence id is not None, in row order */
+static PyObject *extend_many(PyObject *mod, PyObject *args) {
+    PyObject *indexes, *sids, *lists;
+    if (!PyArg_ParseTuple(args, "O!O!O!", &PyList_Type, &indexes, &PyList_Type, &sids, &PyList_Type, &lists))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(indexes);
+    if (PyList_GET_SIZE(sids) != n || PyList_GET_SIZE(lists) != n) {
+        PyErr_SetString(PyExc_ValueError, "extend_many: indexes, seq_ids and token_lists differ in length");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *sid = PyList_GET_ITEM(sids, i);
+        if (sid == Py_None) continue;
+        Index *x = row_index(PyList_GET_ITEM(indexes, i), i);
+        if (!x || read_tokens(x, PyList_GET_ITEM(lists, i), &x->buf_tok) < 0) return NULL;
+        if (!x->buf_tok.n) continue;
+        int32_t slot = slot_of(x, sid);
+        if (slot == -2) return NULL;
+        if (slot < 0 && (slot = add_seq(x, sid)) < 0) return NULL;
+        if (insert(x, slot, x->buf_tok.v, x->buf_tok.n, NULL) < 0) return NULL;
+        x->version++;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"speculate_own_many", speculate_own_many, METH_VARARGS,
+     "the in-flight drafters' propose for every row of an iteration (see the comment above it)"},
+    {"extend_many", extend_many, METH_VARARGS, "extend every row's sequence, in row order"},
+    {NULL}
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_compiled", NULL, -1, module_methods};
 
 PyMODINIT_FUNC PyInit__compiled(void) {
     if (PyType_Ready(&IndexType) < 0) return NULL;

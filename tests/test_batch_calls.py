@@ -1,0 +1,132 @@
+"""A drafter's batch calls (``propose_batch`` / ``observe_batch``) equal its per-row calls in order.
+
+The scheduler asks every row of an iteration through the batch forms; the tree drafters answer
+them in one compiled call. These tests drive two copies of each drafter through the same random
+GRPO-like steps, one through the batch forms and one row by row, and compare every draft and
+the final stats; and they check the rule that keeps a subclass's per-row override in force.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bench.core.drafting import next_draft, next_drafts, observe_all
+from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.das import DASDrafter
+from methods.history_spec import HistorySpecDrafter
+from methods.seer import SeerDrafter
+from methods.suffix.compiled import compiled_available
+from methods.tree_cache import TreeCacheDrafter
+
+MAKERS = {
+    "tree_cache": lambda: TreeCacheDrafter(max_depth=8, max_spec_tokens=6),
+    "tree_cache_best_tree": lambda: TreeCacheDrafter(max_depth=8, max_spec_tokens=6, match="best", tree=True,
+                                                     backend="compiled" if compiled_available() else "python"),
+    "tree_cache_python": lambda: TreeCacheDrafter(max_depth=8, max_spec_tokens=6, backend="python"),
+    "history_only": lambda: TreeCacheDrafter(max_depth=8, max_spec_tokens=6, in_flight=False),
+    "das": lambda: DASDrafter(max_depth=8, max_spec_tokens=6),
+    "seer": lambda: SeerDrafter(max_depth=8, max_spec_tokens=6),
+    "history_spec": lambda: HistorySpecDrafter(),
+}
+
+
+def _drive(drafter, batched: bool, seed: int, steps: int = 3, prompts: int = 3, samples: int = 3,
+           length: int = 24, vocab: int = 4, max_new: int = 20) -> list:
+    """Steps of ``prompts x samples`` rollouts over a small vocabulary (many repeats), all rows in
+    one batch; each pass accepts a random prefix of the draft. Rows sometimes skip an observe (the
+    engine showed tokens the drafter did not observe), which the drafters must top up."""
+    rng = random.Random(seed)
+    seen = []
+    for step in range(steps):
+        drafter.begin_step(step)
+        keys = [RolloutKey(f"p{p}", s) for p in range(prompts) for s in range(samples)]
+        targets = {k: [rng.randrange(vocab) for _ in range(rng.randrange(4, length))] for k in keys}
+        outputs = {k: [] for k in keys}
+        for k in keys:
+            drafter.start(k, [7, int(k.prompt_id[1:])])
+        live = list(keys)
+        while live:
+            outs = [outputs[k] for k in live]
+            if batched:
+                drafts = next_drafts(drafter, live, outs, max_new)
+            else:
+                drafts = [next_draft(drafter, k, o, max_new) for k, o in zip(live, outs)]
+            seen.append([(list(d.token_ids), d.parents) for d in drafts])
+            emitted = []
+            for k, d in zip(live, drafts):
+                t, out = targets[k], outputs[k]
+                a = rng.randrange(len(d.token_ids) + 1)
+                new = t[len(out):len(out) + a + 1]
+                out += new
+                emitted.append(new if rng.random() > 0.1 else [])  # a skipped observe
+            if batched:
+                observe_all(drafter, live, emitted)
+            else:
+                for k, e in zip(live, emitted):
+                    drafter.observe(k, e)
+            for k in list(live):
+                if len(outputs[k]) >= min(len(targets[k]), max_new - 1):
+                    live.remove(k)
+                    drafter.finish(k, Rollout(k, step, [7], list(outputs[k]), [0.0] * len(outputs[k]), "stop"))
+    return seen
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batch_calls_equal_the_per_row_calls(name, seed):
+    batched, per_row = MAKERS[name](), MAKERS[name]()
+    got, want = _drive(batched, True, seed), _drive(per_row, False, seed)
+    assert got == want
+    assert any(tokens for it in got for tokens, _ in it), "the scenario drafted nothing: it tests nothing"
+    assert batched.stats() == per_row.stats()
+
+
+def test_a_subclass_that_overrides_propose_gets_the_per_row_batch_form_back():
+    class Capped(TreeCacheDrafter):
+        def propose(self, key, output, budget):
+            return super().propose(key, output, min(budget, 1))
+
+        def observe(self, key, new_tokens):
+            super().observe(key, list(new_tokens)[:1])
+
+    assert Capped.propose_batch is NullDrafter.propose_batch
+    assert Capped.observe_batch is NullDrafter.observe_batch
+    assert SeerDrafter.propose_batch is NullDrafter.propose_batch  # Seer hands out its pool per row
+    assert SeerDrafter.observe_batch is TreeCacheDrafter.observe_batch  # and observes as the tree cache does
+    assert DASDrafter.propose_batch is not NullDrafter.propose_batch  # DAS has a batch form of its own
+
+
+def test_next_drafts_asks_only_rows_with_room_and_cuts_to_each_budget():
+    class Asked(NullDrafter):
+        def __init__(self):
+            self.calls = []
+
+        def propose(self, key, output, budget):
+            self.calls.append((key, budget))
+            return Draft([1] * 9)
+
+    d = Asked()
+    keys = [RolloutKey("p", i) for i in range(3)]
+    drafts = next_drafts(d, keys, [[0] * 4, [0] * 7, [0] * 2], 8)  # room 4, 1, 6: budgets 3, 0, 5
+    assert d.calls == [(keys[0], 3), (keys[2], 5)]
+    assert [len(x) for x in drafts] == [3, 0, 5]
+
+
+def test_a_drafter_without_batch_forms_is_called_row_by_row():
+    class Plain:  # the Drafter protocol, no NullDrafter
+        def __init__(self):
+            self.calls = []
+
+        def propose(self, key, output, budget):
+            self.calls.append(("propose", key.sample_idx))
+            return Draft()
+
+        def observe(self, key, new_tokens):
+            self.calls.append(("observe", key.sample_idx))
+
+    d = Plain()
+    keys = [RolloutKey("p", i) for i in range(2)]
+    next_drafts(d, keys, [[], []], 8)
+    observe_all(d, keys, [[1], [2]])
+    assert d.calls == [("propose", 0), ("propose", 1), ("observe", 0), ("observe", 1)]
