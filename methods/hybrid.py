@@ -54,9 +54,28 @@ class HybridDrafter(NullDrafter):
             return draft
         return self.tree_cache.propose(key, output, budget)
 
+    def propose_batch(self, keys: Sequence[RolloutKey], outputs: Sequence[Sequence[int]],
+                      budgets: Sequence[int]) -> list[Draft]:
+        """``propose`` for each row: prefix reuse's drafts, then the tree's batch for the rest (the
+        parts keep separate state, so asking part by part equals asking row by row)."""
+        drafts = self.prefix.propose_batch(keys, outputs, budgets)
+        rest = [i for i, d in enumerate(drafts) if not d.token_ids]
+        if rest:
+            whole = len(rest) == len(keys)
+            tree = self.tree_cache.propose_batch(keys if whole else [keys[i] for i in rest],
+                                                 outputs if whole else [outputs[i] for i in rest],
+                                                 budgets if whole else [budgets[i] for i in rest])
+            for i, d in zip(rest, tree):
+                drafts[i] = d
+        return drafts
+
     def observe(self, key: RolloutKey, new_tokens: Sequence[int]) -> None:
         for part in self._parts:
             part.observe(key, new_tokens)
+
+    def observe_batch(self, keys: Sequence[RolloutKey], new_tokens: Sequence[Sequence[int]]) -> None:
+        for part in self._parts:
+            part.observe_batch(keys, new_tokens)
 
     def finish(self, key: RolloutKey, rollout: Rollout) -> None:
         for part in self._parts:

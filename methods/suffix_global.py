@@ -22,6 +22,7 @@ from collections import deque
 from typing import Sequence
 
 from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.suffix.compiled import extend_many, speculate_pair_many
 from methods.suffix.tree import ContextMatcher, SuffixTrie, make_tree, resolve_backend  # noqa: F401 (types)
 
 OWN = 0  # sequence id of the request inside its own trie
@@ -115,6 +116,45 @@ class SuffixGlobalDrafter(NullDrafter):
             seq = self._active.get(key)
             if seq is not None:
                 self.global_trie.extend(seq, new_tokens)
+
+    def observe_batch(self, keys: Sequence[RolloutKey], new_tokens: Sequence[Sequence[int]]) -> None:
+        """``observe`` for each row; in flight on the compiled tries, the own and the global
+        extensions each in one call (the own tries are the rows' own, so part by part equals row
+        by row)."""
+        if not self.in_flight or self.backend != "compiled":
+            for key, toks in zip(keys, new_tokens):
+                self.observe(key, toks)
+            return
+        owns, active = self._own, self._active
+        rows = [owns.get(k) for k in keys]
+        tries = []
+        for own, toks in zip(rows, new_tokens):
+            if type(own) is list:
+                own.extend(toks)
+                tries.append(None)
+            else:
+                tries.append(own)
+        extend_many(tries, [None if t is None else OWN for t in tries], list(new_tokens))
+        g = self.global_trie
+        ids = [None if own is None else active.get(k) for k, own in zip(keys, rows)]
+        extend_many([g] * len(keys), ids, list(new_tokens))
+
+    def propose_batch(self, keys: Sequence[RolloutKey], outputs: Sequence[Sequence[int]],
+                      budgets: Sequence[int]) -> list[Draft]:
+        """``propose`` for each row; in flight on the compiled tries, one call for the batch."""
+        if not self.in_flight or self.backend != "compiled":
+            return [self.propose(k, o, b) for k, o, b in zip(keys, outputs, budgets)]
+        self._proposals += len(keys)
+        plen, active = self._prompt_len, self._active
+        results, own_wins, global_wins, drafts, tokens = speculate_pair_many(
+            self.global_trie, [self._own_tree(k) for k in keys], [plen.get(k, 0) for k in keys],
+            [active.get(k) for k in keys], list(outputs), list(budgets), self.max_spec_tokens, self.factor,
+            self.offset, self.min_prob, self.tree)
+        self._own_wins += own_wins
+        self._global_wins += global_wins
+        self._drafts += drafts
+        self._draft_tokens += tokens
+        return [Draft(toks, parents) for toks, parents in results]
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
         """The better of the own-trie draft and the global-trie draft.

@@ -15,8 +15,11 @@ from bench.core.drafting import next_draft, next_drafts, observe_all
 from methods.base import Draft, NullDrafter, Rollout, RolloutKey
 from methods.das import DASDrafter
 from methods.history_spec import HistorySpecDrafter
+from methods.hybrid import HybridDrafter
+from methods.prefix_reuse import PrefixReuseDrafter
 from methods.seer import SeerDrafter
 from methods.suffix.compiled import compiled_available
+from methods.suffix_global import SuffixGlobalDrafter
 from methods.tree_cache import TreeCacheDrafter
 
 MAKERS = {
@@ -28,6 +31,11 @@ MAKERS = {
     "das": lambda: DASDrafter(max_depth=8, max_spec_tokens=6),
     "seer": lambda: SeerDrafter(max_depth=8, max_spec_tokens=6),
     "history_spec": lambda: HistorySpecDrafter(),
+    "suffix_global": lambda: SuffixGlobalDrafter(max_depth=8, max_spec_tokens=6),
+    "suffix_global_tree": lambda: SuffixGlobalDrafter(max_depth=8, max_spec_tokens=6, tree=True, max_cached_responses=5),
+    "suffix_global_history": lambda: SuffixGlobalDrafter(max_depth=8, max_spec_tokens=6, in_flight=False),
+    "hybrid": lambda: HybridDrafter(max_depth=8, max_spec_tokens=6),
+    "prefix_reuse": lambda: PrefixReuseDrafter(),
 }
 
 

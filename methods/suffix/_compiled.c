@@ -357,16 +357,21 @@ static int read_tokens(Index *x, PyObject *obj, ivec *buf) {
     return 0;
 }
 
+/* append buf_tok to sequence sid (created if absent; nothing when buf_tok is empty); 0 or -1 */
+static int extend_seq(Index *x, PyObject *sid) {
+    if (!x->buf_tok.n) return 0;
+    int32_t slot = slot_of(x, sid);
+    if (slot == -2) return -1;
+    if (slot < 0 && (slot = add_seq(x, sid)) < 0) return -1;
+    if (insert(x, slot, x->buf_tok.v, x->buf_tok.n, NULL) < 0) return -1;
+    x->version++;
+    return 0;
+}
+
 static PyObject *Index_extend(Index *x, PyObject *args) {
     PyObject *sid, *toks;
     if (!PyArg_ParseTuple(args, "OO", &sid, &toks)) return NULL;
-    if (read_tokens(x, toks, &x->buf_tok) < 0) return NULL;
-    if (!x->buf_tok.n) Py_RETURN_NONE;
-    int32_t slot = slot_of(x, sid);
-    if (slot == -2) return NULL;
-    if (slot < 0 && (slot = add_seq(x, sid)) < 0) return NULL;
-    if (insert(x, slot, x->buf_tok.v, x->buf_tok.n, NULL) < 0) return NULL;
-    x->version++;
+    if (read_tokens(x, toks, &x->buf_tok) < 0 || extend_seq(x, sid) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -1200,6 +1205,15 @@ static Index *row_index(PyObject *obj, Py_ssize_t i) {
     return (Index *)obj;
 }
 
+/* append tokens[from:to] of a Python sequence to sequence sid of x (created if absent); 0 or -1 */
+static int extend_from(Index *x, PyObject *sid, PyObject *tokens, Py_ssize_t from, Py_ssize_t to) {
+    PyObject *tail = PySequence_GetSlice(tokens, from, to);
+    if (!tail) return -1;
+    int bad = read_tokens(x, tail, &x->buf_tok);
+    Py_DECREF(tail);
+    return bad < 0 ? -1 : extend_seq(x, sid);
+}
+
 /* speculate_own_many(indexes, seq_ids, outputs, budgets, cap, longest, factor, offset, min_prob, tree)
    -> (results, drafts, draft_tokens, match_len_sum). results[i]: (tokens, parents) of row i's draft
    of at most min(cap, budgets[i]) tokens, empty where its index or sequence id is None or that
@@ -1239,12 +1253,7 @@ static PyObject *speculate_own_many(PyObject *mod, PyObject *args) {
             if (out_len < 0) goto fail;
             Py_ssize_t have = x->seqs[slot].tokens.n - 1;
             if (have < out_len) {  /* the engine showed tokens it did not observe: take them */
-                PyObject *tail = PySequence_GetSlice(output, have, out_len);
-                if (!tail) goto fail;
-                int bad = read_tokens(x, tail, &x->buf_tok);
-                Py_DECREF(tail);
-                if (bad < 0 || insert(x, slot, x->buf_tok.v, x->buf_tok.n, NULL) < 0) goto fail;
-                x->version++;
+                if (extend_from(x, sid, output, have, out_len) < 0) goto fail;
                 have = out_len;
             }
             if (have > out_len) {
@@ -1285,18 +1294,115 @@ static PyObject *extend_many(PyObject *mod, PyObject *args) {
         PyObject *sid = PyList_GET_ITEM(sids, i);
         if (sid == Py_None) continue;
         Index *x = row_index(PyList_GET_ITEM(indexes, i), i);
-        if (!x || read_tokens(x, PyList_GET_ITEM(lists, i), &x->buf_tok) < 0) return NULL;
-        if (!x->buf_tok.n) continue;
-        int32_t slot = slot_of(x, sid);
-        if (slot == -2) return NULL;
-        if (slot < 0 && (slot = add_seq(x, sid)) < 0) return NULL;
-        if (insert(x, slot, x->buf_tok.v, x->buf_tok.n, NULL) < 0) return NULL;
-        x->version++;
+        if (!x || read_tokens(x, PyList_GET_ITEM(lists, i), &x->buf_tok) < 0 || extend_seq(x, sid) < 0) return NULL;
     }
     Py_RETURN_NONE;
 }
 
+/* the global trie's matches of a context (SuffixIndex.context_matches / match) into g->buf_match */
+static int32_t context_matches(Index *g, int32_t gslot, const int32_t *ctx, int32_t n) {
+    int32_t depth = g->max_depth;
+    if (gslot >= 0 && g->seqs[gslot].tokens.n >= (n < depth ? n : depth)) return own_matches(g, gslot);
+    int32_t v, m;
+    longest_live(g, ctx, n > depth ? n - depth : 0, n, &v, &m);
+    if (ensure_match(g, m) < 0) return -1;
+    chain(g, v, m, g->buf_match);
+    return m;
+}
+
+/* speculate_pair_many(global, owns, prompt_lens, global_ids, outputs, budgets, cap, factor, offset,
+   min_prob, tree) -> (results, own_wins, global_wins, drafts, draft_tokens): suffix_global's
+   in-flight propose for every row in order. Row i's own trie owns[i] holds its context (prompt
+   and output) as sequence 0, topped up from outputs[i] when it is behind (and its response in the
+   global trie, global_ids[i], with it); each trie drafts by the best-score rule over the
+   context's suffixes up to one token shorter than min(context, max_depth), and the own draft
+   wins ties. results[i] = (tokens, parents); empty where owns[i] is None, the limit
+   min(cap, budgets[i]) is 0 or the own trie is ahead of the output. */
+static PyObject *speculate_pair_many(PyObject *mod, PyObject *args) {
+    PyObject *gobj, *owns, *plens, *gids, *outputs, *budgets; int cap, tree; double factor, offset, min_prob;
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!idddp", &gobj, &PyList_Type, &owns, &PyList_Type, &plens, &PyList_Type,
+                          &gids, &PyList_Type, &outputs, &PyList_Type, &budgets, &cap, &factor, &offset, &min_prob, &tree))
+        return NULL;
+    Index *g = row_index(gobj, -1);
+    if (!g || need_counts(g, "speculate_pair_many") < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(owns);
+    if (PyList_GET_SIZE(plens) != n || PyList_GET_SIZE(gids) != n || PyList_GET_SIZE(outputs) != n ||
+        PyList_GET_SIZE(budgets) != n) {
+        PyErr_SetString(PyExc_ValueError, "speculate_pair_many: the per-row lists differ in length");
+        return NULL;
+    }
+    PyObject *own_id = PyLong_FromLong(0), *results = PyList_New(n);
+    if (!own_id || !results) { Py_XDECREF(own_id); Py_XDECREF(results); return NULL; }
+    long own_wins = 0, global_wins = 0, drafts = 0, draft_tokens = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *oo = PyList_GET_ITEM(owns, i), *gid = PyList_GET_ITEM(gids, i), *output = PyList_GET_ITEM(outputs, i);
+        PyObject *r = NULL, *mine = NULL, *theirs = NULL;
+        long budget = PyLong_AsLong(PyList_GET_ITEM(budgets, i));
+        long plen = PyLong_AsLong(PyList_GET_ITEM(plens, i));
+        if ((budget == -1 || plen == -1) && PyErr_Occurred()) goto fail;
+        long limit = cap < budget ? cap : budget;
+        Py_ssize_t out_len = PyObject_Length(output);
+        if (out_len < 0) goto fail;
+        Index *own = NULL;
+        if (oo != Py_None && limit > 0) {
+            if (!(own = row_index(oo, i)) || need_counts(own, "speculate_pair_many") < 0) goto fail;
+        }
+        int32_t oslot = own ? slot_of(own, own_id) : -1;
+        if (oslot == -2) goto fail;
+        Py_ssize_t have = oslot < 0 ? 0 : own->seqs[oslot].tokens.n - plen;
+        if (own && have < out_len) {  /* tokens the engine did not observe(): take them, as observe does */
+            if (extend_from(own, own_id, output, have, out_len) < 0) goto fail;
+            if (gid != Py_None && extend_from(g, gid, output, have, out_len) < 0) goto fail;
+            if ((oslot = slot_of(own, own_id)) == -2) goto fail;
+            have = out_len;
+        }
+        if (!own || have > out_len) {
+            r = Py_BuildValue("([]O)", Py_None);
+        } else {
+            int32_t depth = g->max_depth;
+            long ctx_len = plen + (long)out_len;
+            int32_t longest = (int32_t)((ctx_len < depth ? ctx_len : depth) - 1);
+            if (longest < 0) longest = 0;
+            int32_t nm = oslot < 0 ? 0 : own_matches(own, oslot);
+            if (nm < 0) goto fail;
+            mine = spec_rule(own, own->buf_match, nm < longest ? nm : longest, 0, (int32_t)limit, factor, offset,
+                             min_prob, tree);
+            if (!mine) goto fail;
+            const int32_t *ctx = NULL; int32_t clen = 0;  /* the own text's last max_depth tokens */
+            if (oslot >= 0) {
+                ivec *t = &own->seqs[oslot].tokens;
+                clen = t->n < depth ? t->n : depth;
+                ctx = t->v + (t->n - clen);
+            }
+            int32_t gslot = gid == Py_None ? -1 : slot_of(g, gid);
+            if (gslot == -2) goto fail;
+            int32_t gm = context_matches(g, gslot, ctx, clen);
+            if (gm < 0) goto fail;
+            theirs = spec_rule(g, g->buf_match, gm < longest ? gm : longest, 0, (int32_t)limit, factor, offset,
+                               min_prob, tree);
+            if (!theirs) goto fail;
+            PyObject *pick = PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(mine, 2)) >= PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(theirs, 2))
+                             ? mine : theirs;
+            Py_ssize_t k = PyList_GET_SIZE(PyTuple_GET_ITEM(pick, 0));
+            if (pick == mine) own_wins += k > 0; else global_wins++;
+            if (k) { drafts++; draft_tokens += (long)k; }
+            r = PyTuple_Pack(2, PyTuple_GET_ITEM(pick, 0), PyTuple_GET_ITEM(pick, 1));
+            Py_CLEAR(mine); Py_CLEAR(theirs);
+        }
+        if (!r) goto fail;
+        PyList_SET_ITEM(results, i, r);
+        continue;
+    fail:
+        Py_XDECREF(mine); Py_XDECREF(theirs); Py_DECREF(results); Py_DECREF(own_id);
+        return NULL;
+    }
+    Py_DECREF(own_id);
+    return Py_BuildValue("(Nllll)", results, own_wins, global_wins, drafts, draft_tokens);
+}
+
 static PyMethodDef module_methods[] = {
+    {"speculate_pair_many", speculate_pair_many, METH_VARARGS,
+     "suffix_global's in-flight propose for every row of an iteration (see the comment above it)"},
     {"speculate_own_many", speculate_own_many, METH_VARARGS,
      "the in-flight drafters' propose for every row of an iteration (see the comment above it)"},
     {"extend_many", extend_many, METH_VARARGS, "extend every row's sequence, in row order"},

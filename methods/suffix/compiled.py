@@ -20,9 +20,9 @@ from typing import Sequence
 from methods.suffix.speculation import Speculation
 
 try:
-    from methods.suffix._compiled import CompiledAutomaton, extend_many, speculate_own_many
+    from methods.suffix._compiled import CompiledAutomaton, extend_many, speculate_own_many, speculate_pair_many
 except ImportError:  # no compiler at install time: the pure-Python index runs instead
-    CompiledAutomaton = extend_many = speculate_own_many = None
+    CompiledAutomaton = extend_many = speculate_own_many = speculate_pair_many = None
 
 
 def compiled_available() -> bool:
