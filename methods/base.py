@@ -155,7 +155,8 @@ class NullDrafter:
     """A drafter that does nothing; subclasses override what they need. A subclass that overrides
     ``propose`` drafts while decoding unless it declares otherwise (``drafts``); one that overrides
     ``propose`` (``observe``) and not ``propose_batch`` (``observe_batch``) gets the per-row batch
-    form back, so an inherited fast batch form never skips the subclass's per-row rule."""
+    form back, so an inherited fast batch form does not skip that override (one that changes a
+    helper the fast form bypasses, such as tree_cache's ``_draft``, overrides the batch form too)."""
 
     name = "null"
     drafts = "never"

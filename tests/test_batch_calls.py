@@ -7,6 +7,9 @@ the final stats; and they check the rule that keeps a subclass's per-row overrid
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import pickle
 import random
 
 import pytest
@@ -90,6 +93,23 @@ def test_batch_calls_equal_the_per_row_calls(name, seed):
     assert batched.stats() == per_row.stats()
 
 
+@pytest.mark.skipif(not compiled_available(), reason="the compiled extension is not built")
+def test_the_fast_cases_run_on_the_compiled_tries():
+    for name in ("tree_cache", "tree_cache_best_tree", "das", "seer", "suffix_global", "suffix_global_tree"):
+        assert MAKERS[name]().backend == "compiled", name  # else they test the per-row fallback only
+    assert MAKERS["hybrid"]().tree_cache.backend == "compiled"
+
+
+def test_a_rollout_key_keeps_its_hash_out_of_pickles():
+    key = RolloutKey("p", 3)
+    table = {key: 1}
+    blob = pickle.dumps(key)
+    assert b"_hash" not in blob  # a string's hash differs between processes
+    back = pickle.loads(blob)
+    assert back == key and hash(back) == hash(key) == hash(("p", 3)) and table[back] == 1
+    assert copy.deepcopy(key) == key and dataclasses.asdict(key) == {"prompt_id": "p", "sample_idx": 3}
+
+
 def test_a_subclass_that_overrides_propose_gets_the_per_row_batch_form_back():
     class Capped(TreeCacheDrafter):
         def propose(self, key, output, budget):
@@ -138,3 +158,22 @@ def test_a_drafter_without_batch_forms_is_called_row_by_row():
     next_drafts(d, keys, [[], []], 8)
     observe_all(d, keys, [[1], [2]])
     assert d.calls == [("propose", 0), ("propose", 1), ("observe", 0), ("observe", 1)]
+
+
+@pytest.mark.skipif(not compiled_available(), reason="the compiled extension is not built")
+def test_the_compiled_batch_call_on_each_kind_of_row():
+    from methods.suffix.compiled import CompiledIndex, speculate_own_many
+    trie = CompiledIndex(8)
+    for seq, text in enumerate(([-1, 1, 2, 1, 2, 1], [-1, 1, 2])):
+        trie.extend(seq, text)
+    one = trie.speculate_own(0, True, 5)
+    rows = ([trie, trie, trie, trie, None, trie], [0, 1, 0, 0, 0, None],
+            [[1, 2, 1, 2, 1], [1, 2, 1], [1, 2, 1, 2], [1, 2, 1, 2, 1], [], []], [5, 5, 5, 0, 5, 5])
+    results, drafts, tokens, _ = speculate_own_many(*rows, 6, True, 1.0, 0.0, 0.1, False)
+    assert results[0] == (one.token_ids, None) and one.token_ids  # in step: the per-row draft
+    assert trie.sequence(1) == [-1, 1, 2, 1]  # behind: topped up from its output, then drafted
+    assert results[1] == (trie.speculate_own(1, True, 5).token_ids, None)
+    assert results[2:] == [([], None)] * 4  # ahead of its output, limit 0, no trie, no sequence id
+    assert drafts == sum(bool(t) for t, _ in results) and tokens == sum(len(t) for t, _ in results)
+    with pytest.raises(ValueError, match="differ in length"):
+        speculate_own_many([trie], [0, 1], [[]], [1], 6, True, 1.0, 0.0, 0.1, False)

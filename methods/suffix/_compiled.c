@@ -1323,8 +1323,12 @@ static PyObject *speculate_pair_many(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO!O!O!O!O!idddp", &gobj, &PyList_Type, &owns, &PyList_Type, &plens, &PyList_Type,
                           &gids, &PyList_Type, &outputs, &PyList_Type, &budgets, &cap, &factor, &offset, &min_prob, &tree))
         return NULL;
-    Index *g = row_index(gobj, -1);
-    if (!g || need_counts(g, "speculate_pair_many") < 0) return NULL;
+    if (!PyObject_TypeCheck(gobj, &IndexType)) {
+        PyErr_Format(PyExc_TypeError, "the global trie must be a CompiledAutomaton, got %.80s", Py_TYPE(gobj)->tp_name);
+        return NULL;
+    }
+    Index *g = (Index *)gobj;
+    if ( need_counts(g, "speculate_pair_many") < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(owns);
     if (PyList_GET_SIZE(plens) != n || PyList_GET_SIZE(gids) != n || PyList_GET_SIZE(outputs) != n ||
         PyList_GET_SIZE(budgets) != n) {
@@ -1338,8 +1342,9 @@ static PyObject *speculate_pair_many(PyObject *mod, PyObject *args) {
         PyObject *oo = PyList_GET_ITEM(owns, i), *gid = PyList_GET_ITEM(gids, i), *output = PyList_GET_ITEM(outputs, i);
         PyObject *r = NULL, *mine = NULL, *theirs = NULL;
         long budget = PyLong_AsLong(PyList_GET_ITEM(budgets, i));
+        if (budget == -1 && PyErr_Occurred()) goto fail;
         long plen = PyLong_AsLong(PyList_GET_ITEM(plens, i));
-        if ((budget == -1 || plen == -1) && PyErr_Occurred()) goto fail;
+        if (plen == -1 && PyErr_Occurred()) goto fail;
         long limit = cap < budget ? cap : budget;
         Py_ssize_t out_len = PyObject_Length(output);
         if (out_len < 0) goto fail;

@@ -21,8 +21,12 @@ from methods.suffix.speculation import Speculation
 
 try:
     from methods.suffix._compiled import CompiledAutomaton, extend_many, speculate_own_many, speculate_pair_many
-except ImportError:  # no compiler at install time: the pure-Python index runs instead
+except ImportError as exc:  # no compiler at install time: the pure-Python index runs instead
     CompiledAutomaton = extend_many = speculate_own_many = speculate_pair_many = None
+    if "cannot import name" in str(exc):  # the module loads: a build older than this code
+        import warnings
+        warnings.warn(f"methods.suffix._compiled is an older build ({exc}); the tree drafters run in Python "
+                      f"until it is rebuilt: pip install -e . (or python setup.py build_ext --inplace)")
 
 
 def compiled_available() -> bool:
