@@ -29,6 +29,9 @@ from methods.suffix.tree import Speculation
 from methods.tree_cache import TreeCacheDrafter
 
 
+_STARVED = (0, 0, None, -1)  # a row reached after the pool was spent: (output length, cap, speculation, version)
+
+
 class SeerDrafter(TreeCacheDrafter):
     """Per-group in-flight trie; a per-iteration pool of draft tokens handed out tail first."""
 
@@ -60,25 +63,28 @@ class SeerDrafter(TreeCacheDrafter):
     def begin_iteration(self, live: Sequence[tuple[RolloutKey, int]], budget: int | None = None) -> None:
         """Rank the live rows longest output first and hand out the pool in that order; no row
         gets more than ``budget`` (the speculation policy's cap), so the pool is never spent on
-        tokens the policy would cut before verifying."""
-        self._alloc.clear()
+        tokens the policy would cut before verifying. Once the pool is spent, the rows left are
+        starved at once (one entry each, no walk of their tries)."""
         self._iterations += 1
+        alloc = self._alloc = dict.fromkeys([key for key, _ in live], _STARVED)
         left = self.max_batch_draft_tokens
         most = self.max_spec_tokens if budget is None else min(self.max_spec_tokens, budget)
-        ranked = sorted(range(len(live)), key=lambda i: -live[i][1])  # stable: ties in batch order
+        lengths = [n for _, n in live]
+        ranked = sorted(range(len(live)), key=lengths.__getitem__, reverse=True)  # stable: ties in batch order
+        served = 0
         for i in ranked:
-            key, n = live[i]
             cap = most if left is None else min(most, left)
             if cap <= 0:
-                self._alloc[key] = (n, 0, None, -1)
-                self._starved += 1
-                continue
+                break
+            served += 1
+            key, n = live[i]
             spec = self._speculation(key, n, cap)
             trie = self._tries.get(key.prompt_id)
-            self._alloc[key] = (n, cap, spec, trie.version if trie is not None else -1)
+            alloc[key] = (n, cap, spec, trie.version if trie is not None else -1)
             if spec is not None and left is not None:
                 left -= len(spec.token_ids)
                 self._allocated_tokens += len(spec.token_ids)
+        self._starved += len(ranked) - served
 
     def _speculation(self, key: RolloutKey, output_len: int, cap: int) -> Speculation | None:
         """The row's draft under ``cap`` from its group trie, or None where the trie does not
@@ -101,7 +107,27 @@ class SeerDrafter(TreeCacheDrafter):
         sibling 2 (context [START, 5], 6 follows 2 of its 3 occurrences) gets ``Draft([6])``
         instead of [6, 7]. With a pool of 2, sibling 2 gets ``Draft()``: the tail came first.
         """
-        alloc = self._alloc.pop(key, None)
+        return self._allotted(key, output, budget, self._alloc.pop(key, None))
+
+    def propose_batch(self, keys: Sequence[RolloutKey], outputs: Sequence[Sequence[int]],
+                      budgets: Sequence[int]) -> list[Draft]:
+        """``propose`` for each row in order; a starved row costs a lookup (most rows, once the pool is spent)."""
+        pop, allotted = self._alloc.pop, self._allotted
+        drafts = []
+        starved = 0
+        for key, output, budget in zip(keys, outputs, budgets):
+            alloc = pop(key, None)
+            if alloc is _STARVED:
+                starved += 1
+                drafts.append(Draft())
+            else:
+                drafts.append(allotted(key, output, budget, alloc))
+        self._proposals += starved
+        return drafts
+
+    def _allotted(self, key: RolloutKey, output: Sequence[int], budget: int,
+                  alloc: tuple[int, int, Speculation | None, int] | None) -> Draft:
+        """The row's draft from its allotment at ``begin_iteration`` (None: the engine did not report the batch)."""
         if alloc is None:  # the engine did not report this iteration's batch
             self._unallocated += 1
             return super().propose(key, output, budget)

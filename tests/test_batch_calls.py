@@ -33,6 +33,8 @@ MAKERS = {
     "history_only": lambda: TreeCacheDrafter(max_depth=8, max_spec_tokens=6, in_flight=False),
     "das": lambda: DASDrafter(max_depth=8, max_spec_tokens=6),
     "seer": lambda: SeerDrafter(max_depth=8, max_spec_tokens=6),
+    "seer_small_pool": lambda: SeerDrafter(max_depth=8, max_spec_tokens=6, max_batch_draft_tokens=7),
+    "seer_no_pool": lambda: SeerDrafter(max_depth=8, max_spec_tokens=6, max_batch_draft_tokens=None),
     "history_spec": lambda: HistorySpecDrafter(),
     "suffix_global": lambda: SuffixGlobalDrafter(max_depth=8, max_spec_tokens=6),
     "suffix_global_tree": lambda: SuffixGlobalDrafter(max_depth=8, max_spec_tokens=6, tree=True, max_cached_responses=5),
@@ -59,6 +61,8 @@ def _drive(drafter, batched: bool, seed: int, steps: int = 3, prompts: int = 3, 
         live = list(keys)
         while live:
             outs = [outputs[k] for k in live]
+            if rng.random() > 0.2:  # the engine reports the batch (Seer hands out its pool), or does not
+                drafter.begin_iteration([(k, len(outputs[k])) for k in live], budget=rng.choice([None, 2, 6]))
             if batched:
                 drafts = next_drafts(drafter, live, outs, max_new)
             else:
@@ -91,6 +95,10 @@ def test_batch_calls_equal_the_per_row_calls(name, seed):
     assert got == want
     assert any(tokens for it in got for tokens, _ in it), "the scenario drafted nothing: it tests nothing"
     assert batched.stats() == per_row.stats()
+    if name.startswith("seer"):  # the pool was handed out, and the small one ran dry
+        stats = batched.stats()
+        assert stats["iterations"] > 0 and (stats["allocated_tokens"] > 0) == (name != "seer_no_pool")
+        assert (stats["starved_rows"] > 0) == (name == "seer_small_pool")
 
 
 @pytest.mark.skipif(not compiled_available(), reason="the compiled extension is not built")
@@ -120,7 +128,7 @@ def test_a_subclass_that_overrides_propose_gets_the_per_row_batch_form_back():
 
     assert Capped.propose_batch is NullDrafter.propose_batch
     assert Capped.observe_batch is NullDrafter.observe_batch
-    assert SeerDrafter.propose_batch is NullDrafter.propose_batch  # Seer hands out its pool per row
+    assert SeerDrafter.propose_batch is not NullDrafter.propose_batch  # Seer's starved rows cost a lookup
     assert SeerDrafter.observe_batch is TreeCacheDrafter.observe_batch  # and observes as the tree cache does
     assert DASDrafter.propose_batch is not NullDrafter.propose_batch  # DAS has a batch form of its own
 

@@ -265,17 +265,39 @@ def settle(counters: DraftCounters, draft_len: int, emitted: Sequence[int], num_
     then the sample at the first mismatch or the bonus) at the first stop token and at the room
     left, count the pass in ``counters`` with the accepted tokens that survive the cut, and say
     whether the row is done. ``out_len`` is the row's output length before these tokens.
+    :func:`settle_many` on one row.
 
     Example: draft [5, 6, 2], emitted [5, 6, 2, 7] (3 accepted + the bonus), stops {2}
     -> Settled(3, 3, "stop"): the bonus after the stop token is dropped.
     """
-    room = max_new_tokens - out_len
-    n = cut_emitted(emitted, stops, room) if stops or room < len(emitted) else len(emitted)  # else: all of it
-    accepted = num_accepted if num_accepted < n else n
-    if draft_len:
-        counters.record(draft_len, accepted)
-    else:  # an undrafted pass: the common case, counted without the call
-        counters.num_forward_passes += 1
-    if n and stops and emitted[n - 1] in stops:
-        return Settled(n, accepted, "stop")
-    return Settled(n, accepted, "length" if n >= room else "")
+    return settle_many((counters,), (draft_len,), (emitted,), (num_accepted,), stops, (out_len,),
+                       (max_new_tokens,))[0]
+
+
+def settle_many(counters: Sequence[DraftCounters], draft_lens: Sequence[int], emitted: Sequence[Sequence[int]],
+                num_accepted: Sequence[int], stops: Collection[int], out_lens: Sequence[int],
+                limits: Sequence[int]) -> list[Settled]:
+    """:func:`settle` for every row of a pass, in one loop (the scheduler settles every row of
+    every pass: the simulator's hot path). Row ``i`` has ``counters[i]``, a draft of
+    ``draft_lens[i]`` tokens, its verification's ``emitted[i]`` tokens of which ``num_accepted[i]``
+    were draft tokens, ``out_lens[i]`` tokens so far and room for ``limits[i]`` in all.
+    """
+    kept = []
+    keep = kept.append
+    make = tuple.__new__
+    for c, k, em, acc, out_len, limit in zip(counters, draft_lens, emitted, num_accepted, out_lens, limits):
+        room = limit - out_len
+        n = len(em)
+        if stops or room < n:
+            n = cut_emitted(em, stops, room)
+        if acc > n:
+            acc = n
+        if k:
+            c.record(k, acc)
+        else:  # an undrafted pass: the common case, counted without the call
+            c.num_forward_passes += 1
+        if n and stops and em[n - 1] in stops:
+            keep(make(Settled, (n, acc, "stop")))
+        else:
+            keep(make(Settled, (n, acc, "length" if n >= room else "")))
+    return kept

@@ -13,7 +13,7 @@ exact, whatever drafted it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from methods.base import Draft, Drafter, Rollout, RolloutKey
 
@@ -39,20 +39,29 @@ def recorded_verdict(rec: Recorded, out_len: int, draft: Draft) -> Verdict:
 
     Example: recorded [5, 6, 9, 2], out_len 0, draft [5, 6, 7] -> emitted [5, 6, 9], path [0, 1, 2].
     """
-    toks, t = rec.tokens, out_len
-    ids = draft.token_ids
-    if not ids:  # nothing drafted: the next recorded token
-        return Verdict(toks[t:t + 1], [0], rec.logprobs[t:t + 1], [])
-    if draft.parents is None:  # a chain: the accepted nodes are its longest prefix equal to the recording
-        a, k = 0, min(len(ids), len(toks) - t)
-        while a < k and ids[a] == toks[t + a]:
-            a += 1
-        path = list(range(a + 1))
-    else:
-        n = len(toks)
-        _, path = descend([toks[t + d] if t + d < n else -1 for d in node_depths(draft)], draft)
-    emitted = toks[t:t + len(path)]  # accepted + bonus, cut at the end of the recorded rollout
-    return Verdict(emitted, path, rec.logprobs[t:t + len(emitted)], [])
+    return recorded_verdicts((rec,), (out_len,), (draft,))[0]
+
+
+def recorded_verdicts(recs: Sequence[Recorded], out_lens: Sequence[int], drafts: Sequence[Draft]) -> list[Verdict]:
+    """:func:`recorded_verdict` for every row of a pass, in one loop (the simulator's hot path)."""
+    verdicts = []
+    keep = verdicts.append
+    for rec, t, draft in zip(recs, out_lens, drafts):
+        toks, ids = rec.tokens, draft.token_ids
+        if not ids:  # nothing drafted: the next recorded token
+            keep(Verdict(toks[t:t + 1], [0], rec.logprobs[t:t + 1], []))
+            continue
+        if draft.parents is None:  # a chain: the accepted nodes are its longest prefix equal to the recording
+            a, k = 0, min(len(ids), len(toks) - t)
+            while a < k and ids[a] == toks[t + a]:
+                a += 1
+            path = list(range(a + 1))
+        else:
+            n = len(toks)
+            _, path = descend([toks[t + d] if t + d < n else -1 for d in node_depths(draft)], draft)
+        emitted = toks[t:t + len(path)]  # accepted + bonus, cut at the end of the recorded rollout
+        keep(Verdict(emitted, path, rec.logprobs[t:t + len(emitted)], []))
+    return verdicts
 
 
 class RecordedBackend:
@@ -78,8 +87,8 @@ class RecordedBackend:
     def forward(self, rows: list[LiveRow], group: list[int], drafts: list[Draft], sampling: SamplingConfig,
                 verify: VerifyConfig) -> PassResult:
         grouped = rows if len(group) == len(rows) else [rows[i] for i in group]  # one group (most passes): all rows
-        verdicts = [recorded_verdict(row.state, len(row.output), d) for row, d in zip(grouped, drafts)]
-        return PassResult(verdicts, 0.0, 0.0)
+        return PassResult(recorded_verdicts([row.state for row in grouped], [len(row.output) for row in grouped], drafts),
+                          0.0, 0.0)
 
     def commit(self, rows: list[LiveRow], verdicts: list[Verdict]) -> None:
         pass

@@ -21,7 +21,7 @@ from typing import Any, Protocol, Sequence
 from methods.base import Draft, Drafter, Rollout
 
 from bench.core.drafting import (DraftCounters, drafts_mode, next_drafts, observe_all, refuse_feature_readers,
-                                 settle, tell_verified)
+                                 settle_many, tell_verified)
 from bench.core.engine_protocol import Request, RunAheadSource, request_key64
 from bench.core.coupling import SamplingConfig
 from bench.spec.policy import SpecPolicy
@@ -311,8 +311,7 @@ class Scheduler:
         now = self.clock() - t0
         self.backend.commit(rows, verdicts)
         records = self.policy.kind == "throughput_optimal"
-        settle_row = self._settle
-        settled = [settle_row(row, d, v, stops, now, records) for row, d, v in zip(rows, drafts, verdicts)]
+        settled = self._settle_all(rows, drafts, draft_lens, verdicts, stops, now, records)
         self._feed_back(rows, settled, features, drafter, state)
         state.prefill = [call.pop("prefill") for call in calls]
         ratio = verify.rule == "ratio"
@@ -323,37 +322,40 @@ class Scheduler:
                                                  (verdicts[i].path for i in group), ratio=ratio)
         return calls
 
-    def _settle(self, row: LiveRow, d: Draft, v: Verdict, stops: set[int], now: float,
-                records: bool) -> tuple[list[int], int]:
-        """Cut one row's verdict at stops and its room, count it, append it to the row (``records``:
-        show the policy what was accepted); the tokens kept and how many of them were accepted."""
-        path, emitted = v.path, v.emitted
-        output = row.output
-        accepted = len(path) - 1
-        row.cached += len(row.pending) + accepted
-        draft_len = len(d.token_ids)
-        n, accepted, reason = settle(row.counters, draft_len, emitted, accepted, stops, len(output), row.limit)
-        lps, mgs = v.logprobs, v.margins
-        if n < len(emitted):
-            emitted, lps, mgs = emitted[:n], lps[:n], mgs[:n]
-        if records and draft_len:  # a first draft (output length 0, verified in the prefill) is no
-            # evidence for the drafts of decoding: it has a tracker of its own
-            self.policy.record(draft_len, accepted, None if d.parents is None else
-                               [j - 1 for j in path[1:1 + accepted]], d.parents, first=not output)
-        if not output:
-            row.first_t = now
-        output += emitted
-        row.logprobs.extend(lps)
-        if mgs:
-            row.margins.extend(mgs)
-        row.last_t = now
-        if emitted:
-            row.pending = [emitted[-1]]
-        if reason:
-            row.finish_reason = row.final_reason or reason
-        elif not emitted:  # nothing left to emit (an empty recorded rollout)
-            row.finish_reason = row.final_reason or "stop"
-        return emitted, accepted
+    def _settle_all(self, rows: list[LiveRow], drafts: list[Draft], draft_lens: list[int], verdicts: list[Verdict],
+                    stops: set[int], now: float, records: bool) -> list[tuple[list[int], int]]:
+        """Cut every row's verdict at stops and its room, count it, append it to the row (``records``:
+        show the policy what was accepted); per row, the tokens kept and how many were accepted."""
+        kept = settle_many([row.counters for row in rows], draft_lens, [v.emitted for v in verdicts],
+                           [len(v.path) - 1 for v in verdicts], stops, [len(row.output) for row in rows],
+                           [row.limit for row in rows])
+        record = self.policy.record
+        settled = []
+        for row, d, draft_len, v, (n, accepted, reason) in zip(rows, drafts, draft_lens, verdicts, kept):
+            emitted, lps, mgs = v.emitted, v.logprobs, v.margins
+            row.cached += len(row.pending) + len(v.path) - 1
+            if n < len(emitted):
+                emitted, lps, mgs = emitted[:n], lps[:n], mgs[:n]
+            output = row.output
+            if records and draft_len:  # a first draft (output length 0, verified in the prefill) is no
+                # evidence for the drafts of decoding: it has a tracker of its own
+                record(draft_len, accepted, None if d.parents is None else [j - 1 for j in v.path[1:1 + accepted]],
+                       d.parents, first=not output)
+            if not output:
+                row.first_t = now
+            output += emitted
+            row.logprobs += lps
+            if mgs:
+                row.margins += mgs
+            row.last_t = now
+            if emitted:
+                row.pending = [emitted[-1]]
+            if reason:
+                row.finish_reason = row.final_reason or reason
+            elif not emitted:  # nothing left to emit (an empty recorded rollout)
+                row.finish_reason = row.final_reason or "stop"
+            settled.append((emitted, accepted))
+        return settled
 
     def _feed_back(self, rows: list[LiveRow], settled: list[tuple[list[int], int]], features: list | None,
                    drafter: Drafter, state: IterationState) -> None:
