@@ -186,9 +186,9 @@ class NullDrafter:
     def propose_batch(self, keys: Sequence[RolloutKey], outputs: Sequence[Sequence[int]],
                       budgets: Sequence[int]) -> list[Draft]:
         """``propose`` for each row in order (what every batch form must equal)."""
-        propose = self.propose
         if type(self).propose is NullDrafter.propose:  # drafts nothing (the baseline): no calls
             return [Draft() for _ in keys]
+        propose = self.propose
         return [propose(k, o, b) for k, o, b in zip(keys, outputs, budgets)]
 
     def verified(self, key: RolloutKey, draft_len: int) -> None:
