@@ -66,7 +66,7 @@ class Draft:
         if len(self.token_ids) <= budget:
             return self
         if budget <= 0:
-            return Draft()
+            return NO_DRAFT
         return Draft(self.token_ids[:budget], None if self.parents is None else self.parents[:budget],
                      None if self.logprobs is None else self.logprobs[:budget])
 
@@ -81,6 +81,11 @@ class Draft:
                     raise ValueError(f"Draft parent {p} of node {i} must be -1 or an earlier node")
         if self.logprobs is not None and len(self.logprobs) != n:
             raise ValueError(f"Draft has {n} tokens but {len(self.logprobs)} logprobs")
+
+
+NO_DRAFT = Draft()
+"""The empty draft, shared: a row with nothing to propose gets this one object (a draft is never
+changed once proposed: ``truncated`` makes a new one), so the loop allocates nothing for it."""
 
 
 @dataclass
@@ -181,13 +186,13 @@ class NullDrafter:
         pass
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
-        return Draft()
+        return NO_DRAFT
 
     def propose_batch(self, keys: Sequence[RolloutKey], outputs: Sequence[Sequence[int]],
                       budgets: Sequence[int]) -> list[Draft]:
         """``propose`` for each row in order (what every batch form must equal)."""
         if type(self).propose is NullDrafter.propose:  # drafts nothing (the baseline): no calls
-            return [Draft() for _ in keys]
+            return [NO_DRAFT] * len(keys)
         propose = self.propose
         return [propose(k, o, b) for k, o, b in zip(keys, outputs, budgets)]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.base import Draft, NO_DRAFT, NullDrafter, Rollout, RolloutKey
 from methods.prefix_reuse import common_prefix_len
 from methods.suffix.tree import START, SuffixTrie, make_tree, resolve_backend
 
@@ -101,14 +101,14 @@ class HistorySpecDrafter(NullDrafter):
         trie = self._tries.get(key.prompt_id)
         length = min(self._length.get(key, self.min_spec_tokens), budget)
         if trie is None or length <= 0:
-            return Draft()
+            return NO_DRAFT
         if len(output) >= self.window:
             context = output[-self.window:]
         else:
             context = [START, *output]
         spec = trie.speculate_first_hit(context, self.window, self.min_match, length, self.min_prob)
         if not spec.token_ids:
-            return Draft()
+            return NO_DRAFT
         self._drafts += 1
         self._draft_tokens += len(spec.token_ids)
         self._last_draft[key] = spec.token_ids

@@ -14,7 +14,7 @@ from __future__ import annotations
 from array import array
 from typing import Mapping, Sequence
 
-from methods.base import Draft, NullDrafter, RolloutKey
+from methods.base import Draft, NO_DRAFT, NullDrafter, RolloutKey
 
 
 class OracleDrafter(NullDrafter):
@@ -43,7 +43,7 @@ class OracleDrafter(NullDrafter):
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
         if self._agrees.get(key, -1) != len(output):
-            return Draft()
+            return NO_DRAFT
         if self.max_spec_tokens is not None:
             budget = min(budget, self.max_spec_tokens)
         return Draft(self.futures.get(key, [])[len(output):len(output) + budget])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.base import Draft, NO_DRAFT, NullDrafter, Rollout, RolloutKey
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -59,16 +59,16 @@ class PrefixReuseDrafter(NullDrafter):
         and any later call (output [4, 9, 5]) gives ``Draft([])``.
         """
         if output or key in self._drafted:
-            return Draft()
+            return NO_DRAFT
         previous = self._previous.get(key)
         if previous is None:
-            return Draft()
+            return NO_DRAFT
         tokens, logprobs = previous
         n = min(len(tokens), budget)
         if self.max_spec_tokens is not None:
             n = min(n, self.max_spec_tokens)
         if n <= 0:
-            return Draft()
+            return NO_DRAFT
         self._drafted[key] = (tokens[:n], len(tokens))
         self._draft_tokens += n
         return Draft(tokens[:n], None, logprobs[:n])

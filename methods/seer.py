@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from methods.base import Draft, RolloutKey
+from methods.base import Draft, NO_DRAFT, RolloutKey
 from methods.suffix.tree import Speculation
 from methods.tree_cache import TreeCacheDrafter
 
@@ -119,7 +119,7 @@ class SeerDrafter(TreeCacheDrafter):
             alloc = pop(key, None)
             if alloc is _STARVED:
                 starved += 1
-                drafts.append(Draft())
+                drafts.append(NO_DRAFT)
             else:
                 drafts.append(allotted(key, output, budget, alloc))
         self._proposals += starved
@@ -134,7 +134,7 @@ class SeerDrafter(TreeCacheDrafter):
         self._proposals += 1
         n, cap, spec, version = alloc
         if cap <= 0:
-            return Draft()
+            return NO_DRAFT
         trie = self._tries.get(key.prompt_id)
         if spec is None or n != len(output) or budget < cap or trie is None or trie.version != version:
             return self._draft(key, output, min(cap, budget))  # the tree or the budget moved: redo

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.base import Draft, NO_DRAFT, NullDrafter, Rollout, RolloutKey
 from methods.suffix.compiled import extend_many, speculate_pair_many
 from methods.suffix.tree import ContextMatcher, SuffixTrie, make_tree, resolve_backend  # noqa: F401 (types)
 
@@ -154,7 +154,7 @@ class SuffixGlobalDrafter(NullDrafter):
         self._global_wins += global_wins
         self._drafts += drafts
         self._draft_tokens += tokens
-        return [Draft(toks, parents) for toks, parents in results]
+        return [Draft(toks, parents) if toks else NO_DRAFT for toks, parents in results]
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
         """The better of the own-trie draft and the global-trie draft.
@@ -171,12 +171,12 @@ class SuffixGlobalDrafter(NullDrafter):
         own = self._own_tree(key)
         limit = min(self.max_spec_tokens, budget)
         if own is None or limit <= 0:
-            return Draft()
+            return NO_DRAFT
         have = own.sequence_length(OWN) - self._prompt_len[key] if OWN in own else 0
         if have < len(output):  # tokens the engine did not observe(): take them
             self.observe(key, output[have:])
         elif have > len(output):
-            return Draft()
+            return NO_DRAFT
         args = (limit, self.factor, self.offset, self.min_prob, self.tree)
         if self._native:  # the released call on both trees: the context's last max_depth tokens
             seq = own._seqs.get(OWN)
@@ -187,7 +187,7 @@ class SuffixGlobalDrafter(NullDrafter):
             own_score = mine.score if own_tokens else 0.0
             if own_score >= (theirs.score if global_tokens else 0.0):
                 if not own_tokens:
-                    return Draft()
+                    return NO_DRAFT
                 self._own_wins += 1
                 self._drafts += 1
                 self._draft_tokens += len(own_tokens)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.base import Draft, NO_DRAFT, NullDrafter, Rollout, RolloutKey
 from methods.suffix.compiled import extend_many, speculate_own_many
 from methods.suffix.tree import START, ContextMatcher, SuffixTrie, make_tree, resolve_backend
 
@@ -133,7 +133,7 @@ class TreeCacheDrafter(NullDrafter):
         self._drafts += drafts
         self._draft_tokens += tokens
         self._match_len_sum += match_sum
-        return [Draft(toks, parents) for toks, parents in results]
+        return [Draft(toks, parents) if toks else NO_DRAFT for toks, parents in results]
 
     def propose(self, key: RolloutKey, output: Sequence[int], budget: int) -> Draft:
         """Longest-suffix draft from this prompt's trie (sibling and earlier rollouts).
@@ -155,16 +155,16 @@ class TreeCacheDrafter(NullDrafter):
         """The draft of at most ``limit`` tokens (what subclasses with other budgets call)."""
         trie = self._tries.get(key.prompt_id)
         if trie is None or limit <= 0:
-            return Draft()
+            return NO_DRAFT
         if self.in_flight:
             seq_id = self._live.get(key)
             if seq_id is None:
-                return Draft()
+                return NO_DRAFT
             have = trie.sequence_length(seq_id) - 1
             if have < len(output):  # the engine showed tokens it did not observe(): take them
                 trie.extend(seq_id, output[have:])
             elif have > len(output):
-                return Draft()
+                return NO_DRAFT
             if self._native:
                 spec = trie.speculate_seq(seq_id, limit, self.factor, self.offset, self.min_prob, self.tree)
             else:
@@ -173,7 +173,7 @@ class TreeCacheDrafter(NullDrafter):
         else:
             matcher = self._matchers.get(key)
             if matcher is None:
-                return Draft()
+                return NO_DRAFT
             if self._native:
                 spec = trie.speculate_context(matcher, limit, self.factor, self.offset, self.min_prob, self.tree)
             else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Collection, NamedTuple, Sequence
 
-from methods.base import Draft, Drafter, RolloutKey
+from methods.base import Draft, NO_DRAFT, Drafter, RolloutKey
 
 
 def report_live(drafter: Drafter, live: Sequence[tuple[RolloutKey, int]], budget: int | None = None) -> None:
@@ -123,7 +123,7 @@ def next_draft(drafter: Drafter, key: RolloutKey, output: Sequence[int], max_new
     fully accepted draft is followed by one more sampled token (the bonus)."""
     budget = max_new_tokens - len(output) - 1
     if budget <= 0:
-        return Draft()
+        return NO_DRAFT
     draft = drafter.propose(key, output, budget)
     if len(draft.token_ids) > budget:
         draft = draft.truncated(budget)
@@ -145,7 +145,7 @@ def next_drafts(drafter: Drafter, keys: Sequence[RolloutKey], outputs: Sequence[
         drafts = batch(drafter, keys, outputs, budgets)
     else:  # some rows have no room: ask the others
         asked = [i for i, b in enumerate(budgets) if b > 0]
-        drafts = [Draft() for _ in keys]
+        drafts = [NO_DRAFT] * len(keys)
         for i, d in zip(asked, batch(drafter, [keys[i] for i in asked], [outputs[i] for i in asked],
                                      [budgets[i] for i in asked])):
             drafts[i] = d

@@ -28,7 +28,7 @@ import random
 import statistics
 from typing import Sequence
 
-from methods.base import Draft, NullDrafter, Rollout, RolloutKey
+from methods.base import Draft, NO_DRAFT, NullDrafter, Rollout, RolloutKey
 
 
 class DraftLMDrafter(NullDrafter):
@@ -125,10 +125,10 @@ class DraftLMDrafter(NullDrafter):
         d = self._ready.pop(key, None)
         if d is None:  # asked outside an iteration (a first draft, a probe): one row alone
             if self.lm is None:
-                return Draft()
+                return NO_DRAFT
             self._outputs[key] = list(output)
             self.begin_iteration([(key, len(output))])
-            d = self._ready.pop(key, Draft())
+            d = self._ready.pop(key, NO_DRAFT)
         d = d.truncated(budget)
         self._proposed[key] = d
         return d

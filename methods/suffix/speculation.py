@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from methods.base import Draft
+from methods.base import NO_DRAFT, Draft
 
 START = -1  # token id that marks the start of a response in per-prompt tries (never drafted)
 
@@ -19,7 +19,7 @@ class Speculation(NamedTuple):
     match_len: int
 
     def draft(self) -> Draft:
-        return Draft(self.token_ids, self.parents)
+        return Draft(self.token_ids, self.parents) if self.token_ids else NO_DRAFT
 
 
 NO_SPECULATION = Speculation([], None, 0.0, 0)
