@@ -57,7 +57,8 @@ class Verdict:
     """What verification of one row decided.
 
     ``emitted[i]`` was sampled at local node ``path[i]`` (0 = the rollout's last token, j >= 1 =
-    draft node j-1); ``path[1:]`` are the accepted draft nodes, in order.
+    draft node j-1); ``path[1:]`` are the accepted draft nodes, in order. ``path`` and ``margins``
+    are only read once made (the simulator shares tuples of them between verdicts).
     """
 
     emitted: list[int]

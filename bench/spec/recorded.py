@@ -20,6 +20,7 @@ from methods.base import Draft, Drafter, Rollout, RolloutKey
 from bench.core.engine_protocol import Request
 from bench.core.coupling import SamplingConfig
 from bench.core.verdicts import Verdict, VerifyConfig, descend, node_depths
+from bench.spec.compiled_rows import compiled_recorded_verdicts
 from bench.spec.scheduler import LiveRow, PassResult
 
 
@@ -34,33 +35,45 @@ class Recorded:
     finish_reason: str
 
 
+_ROOT, _NO_MARGINS = (0,), ()  # shared by every verdict (a verdict's path and margins are only read)
+
+
 def recorded_verdict(rec: Recorded, out_len: int, draft: Draft) -> Verdict:
     """What exact verification emits at output length ``out_len`` (the recorded tokens are the samples).
 
-    Example: recorded [5, 6, 9, 2], out_len 0, draft [5, 6, 7] -> emitted [5, 6, 9], path [0, 1, 2].
+    Example: recorded [5, 6, 9, 2], out_len 0, draft [5, 6, 7] -> emitted [5, 6, 9], path (0, 1, 2).
     """
     return recorded_verdicts((rec,), (out_len,), (draft,))[0]
 
 
 def recorded_verdicts(recs: Sequence[Recorded], out_lens: Sequence[int], drafts: Sequence[Draft]) -> list[Verdict]:
-    """:func:`recorded_verdict` for every row of a pass, in one loop (the simulator's hot path)."""
+    """:func:`recorded_verdict` for every row of a pass, in one call (the simulator's hot path):
+    compiled (``bench.spec.compiled_rows``) where it is built, else :func:`recorded_verdicts_python`."""
+    if compiled_recorded_verdicts is not None:
+        return compiled_recorded_verdicts(Verdict, list(recs), list(out_lens), list(drafts))
+    return recorded_verdicts_python(recs, out_lens, drafts)
+
+
+def recorded_verdicts_python(recs: Sequence[Recorded], out_lens: Sequence[int],
+                             drafts: Sequence[Draft]) -> list[Verdict]:
+    """The reference of :func:`recorded_verdicts`, in one loop (the compiled form equals it)."""
     verdicts = []
     keep = verdicts.append
     for rec, t, draft in zip(recs, out_lens, drafts):
         toks, ids = rec.tokens, draft.token_ids
         if not ids:  # nothing drafted: the next recorded token
-            keep(Verdict(toks[t:t + 1], [0], rec.logprobs[t:t + 1], []))
+            keep(Verdict(toks[t:t + 1], _ROOT, rec.logprobs[t:t + 1], _NO_MARGINS))
             continue
         if draft.parents is None:  # a chain: the accepted nodes are its longest prefix equal to the recording
             a, k = 0, min(len(ids), len(toks) - t)
             while a < k and ids[a] == toks[t + a]:
                 a += 1
-            path = list(range(a + 1))
+            path = tuple(range(a + 1))
         else:
             n = len(toks)
             _, path = descend([toks[t + d] if t + d < n else -1 for d in node_depths(draft)], draft)
         emitted = toks[t:t + len(path)]  # accepted + bonus, cut at the end of the recorded rollout
-        keep(Verdict(emitted, path, rec.logprobs[t:t + len(emitted)], []))
+        keep(Verdict(emitted, path, rec.logprobs[t:t + len(emitted)], _NO_MARGINS))
     return verdicts
 
 

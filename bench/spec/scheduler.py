@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from methods.base import Draft, Drafter, Rollout
+from methods.base import Draft, NO_DRAFT, Drafter, Rollout
 
 from bench.core.drafting import (DraftCounters, drafts_mode, next_drafts, observe_all, refuse_feature_readers,
                                  settle_many, tell_verified)
@@ -27,6 +27,7 @@ from bench.core.coupling import SamplingConfig
 from bench.spec.policy import SpecPolicy
 from bench.core.verdicts import Verdict, VerifyConfig, pass_nodes_read
 from bench.spec.groups import forward_groups
+from bench.spec.compiled_rows import compiled_settle_rows
 
 
 @dataclass(slots=True)
@@ -238,7 +239,7 @@ class Scheduler:
         if cap == 0 and not (any(first) and policy.first_drafts_decided and not never):
             state.cap = 0  # the policy drafts nothing now: the drafter is not asked (nor told the batch)
             state.drafter_s += self.clock() - t_d
-            return [Draft() for _ in rows]
+            return [NO_DRAFT] * len(rows)
         hook = getattr(drafter, "begin_iteration", None)
         if hook is not None:
             hook([(row.request.key, len(row.output)) for row in rows], budget=cap)
@@ -325,7 +326,17 @@ class Scheduler:
     def _settle_all(self, rows: list[LiveRow], drafts: list[Draft], draft_lens: list[int], verdicts: list[Verdict],
                     stops: set[int], now: float, records: bool) -> list[tuple[list[int], int]]:
         """Cut every row's verdict at stops and its room, count it, append it to the row (``records``:
-        show the policy what was accepted); per row, the tokens kept and how many were accepted."""
+        show the policy what was accepted); per row, the tokens kept and how many were accepted.
+        Compiled (``bench.spec.compiled_rows``) where built and nothing is recorded, else
+        :meth:`_settle_all_python`."""
+        if compiled_settle_rows is not None and not records:
+            return compiled_settle_rows(rows, draft_lens, verdicts, stops, float(now))
+        return self._settle_all_python(rows, drafts, draft_lens, verdicts, stops, now, records)
+
+    def _settle_all_python(self, rows: list[LiveRow], drafts: list[Draft], draft_lens: list[int],
+                           verdicts: list[Verdict], stops: set[int], now: float,
+                           records: bool) -> list[tuple[list[int], int]]:
+        """The reference of :meth:`_settle_all`, in one loop (the compiled form equals it)."""
         kept = settle_many([row.counters for row in rows], draft_lens, [v.emitted for v in verdicts],
                            [len(v.path) - 1 for v in verdicts], stops, [len(row.output) for row in rows],
                            [row.limit for row in rows])
