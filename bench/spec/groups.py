@@ -23,7 +23,7 @@ def forward_groups(sizes: list[int], min_saving: float = 0.3, min_tokens: int = 
     [[0, 1, 2], [3]] (28 tokens instead of 100).
     """
     n, longest = len(sizes), max(sizes)
-    if n < 2 or (seconds is None and n * longest < min_tokens):
+    if n < 2 or (seconds is None and n * longest < min_tokens) or min(sizes) == longest:  # nothing to cut
         return [list(range(n))]
     order = sorted(range(n), key=sizes.__getitem__)
     ranked = [sizes[i] for i in order]
