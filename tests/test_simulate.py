@@ -14,7 +14,7 @@ from bench.harness.sim_replay import simulate
 from bench.harness.sim_summary import summarize
 from bench.harness.sim_synthetic import synthetic_log
 from bench.harness.simulate import main
-from methods.base import Draft, NullDrafter
+from methods.base import NO_DRAFT, Draft, NullDrafter
 from methods.oracle import SuffixAutomaton
 
 EOS = 1
@@ -221,6 +221,7 @@ def test_cache_oracle_bounds_every_method_on_a_synthetic_log():
     assert table.loc["history_spec", "cache_oracle"] == "prompt, finished, budget 16"
     assert (table.loc["history_spec", "cache_oracle_tokens_per_step"]
             < table.loc["prefix_reuse_exact", "cache_oracle_tokens_per_step"])
+    assert NO_DRAFT == Draft()  # every method ran: none changed the shared empty draft
 
 
 def test_copying_is_every_simulable_method_but_the_learned_drafters():
