@@ -131,6 +131,12 @@ def test_compiled_settle_names_a_bad_argument():
         compiled_settle_rows(rows, draft_lens, verdicts, [2], 0.0)
     with pytest.raises(ValueError, match="differ in length"):
         compiled_settle_rows(rows, draft_lens[:1], verdicts, set(), 0.0)
+    rows[0].logprobs = tuple(rows[0].logprobs)  # settled in place: a row's lists must be lists
+    with pytest.raises(TypeError, match="must be lists"):
+        compiled_settle_rows(rows[:1], draft_lens[:1], verdicts[:1], set(), 0.0)
+    rec = Recorded(RolloutKey("p", 0), [1, 2], [0.0, 0.0], 0.0, "stop")
+    with pytest.raises(TypeError, match="cannot be instantiated"):
+        compiled_recorded_verdicts(type(iter([])), [rec], [0], [Draft()])
 
 
 def test_the_loop_is_compiled_wherever_the_drafters_are():

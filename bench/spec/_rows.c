@@ -1,8 +1,8 @@
 /* The one loop's per-row work in C: the simulator's recorded verdicts and the scheduler's settle.
  *
  * bench/spec/compiled_rows.py says why it exists and how it is checked; the Python functions it
- * mirrors (bench.spec.recorded.recorded_verdicts, bench.spec.scheduler.Scheduler._settle_all with
- * bench.core.drafting.settle_many) stay the reference, and tests/test_compiled_rows.py checks that
+ * mirrors (bench.spec.recorded.recorded_verdicts_python, bench.spec.scheduler.Scheduler.
+ * _settle_all_python with bench.core.drafting.settle_many) stay the reference, and tests/test_compiled_rows.py checks that
  * both give equal verdicts, equal rows and equal counters on random passes.
  */
 #define PY_SSIZE_T_CLEAN
@@ -14,6 +14,12 @@ static PyObject *s_tokens, *s_logprobs, *s_token_ids, *s_parents, *s_emitted, *s
     *s_length, *s_empty;
 
 static PyObject *no_args;  /* () */
+
+/* An int (or anything with __index__, such as a numpy integer) as a Py_ssize_t; -1 with an
+ * exception set on failure, as PyLong_AsSsize_t. */
+static Py_ssize_t as_ssize(PyObject *x) {
+    return PyLong_CheckExact(x) ? PyLong_AsSsize_t(x) : PyNumber_AsSsize_t(x, PyExc_OverflowError);
+}
 
 /* The chain paths (0, 1, ..., a), shared for a < CHAIN_PATHS as the Python reference's tuples are
  * equal to them: a verdict's path is read, never changed. */
@@ -39,9 +45,13 @@ static PyObject *chain_path(Py_ssize_t a) {
     return out;
 }
 
-/* A new Verdict (a slots dataclass) with its four fields set, without running its Python __init__;
- * its margins are the shared () (recordings have none). */
+/* A new Verdict (a slots dataclass) with its four fields set, without running its Python __init__
+ * (Verdict has no __post_init__ to skip); its margins are the shared () (recordings have none). */
 static PyObject *new_verdict(PyTypeObject *type, PyObject *emitted, PyObject *path, PyObject *logprobs) {
+    if (type->tp_new == NULL) {
+        PyErr_Format(PyExc_TypeError, "recorded_verdicts: %s cannot be instantiated", type->tp_name);
+        return NULL;
+    }
     PyObject *v = type->tp_new(type, no_args, NULL);
     if (v == NULL) return NULL;
     if (PyObject_SetAttr(v, s_emitted, emitted) < 0 || PyObject_SetAttr(v, s_path, path) < 0 ||
@@ -64,7 +74,7 @@ static Py_ssize_t tree_path(PyObject *toks, Py_ssize_t t, PyObject *ids, PyObjec
         PyObject *want = PyList_GET_ITEM(toks, t + depth);
         Py_ssize_t child = -1;
         for (Py_ssize_t i = node; i < k; i++) {  /* a child's index is past its parent's */
-            Py_ssize_t p = PyLong_AsSsize_t(PyList_GET_ITEM(parents, i));
+            Py_ssize_t p = as_ssize(PyList_GET_ITEM(parents, i));
             if (p == -1 && PyErr_Occurred()) return -1;
             if (p + 1 != node) continue;
             int eq = PyObject_RichCompareBool(PyList_GET_ITEM(ids, i), want, Py_EQ);
@@ -105,7 +115,7 @@ static PyObject *py_recorded_verdicts(PyObject *self, PyObject *args) {
         PyObject *rec = PyList_GET_ITEM(recs, r), *draft = PyList_GET_ITEM(drafts, r);
         PyObject *toks = NULL, *lps = NULL, *ids = NULL, *parents = NULL, *path_list = NULL, *emitted = NULL,
                  *elps = NULL, *v = NULL;
-        Py_ssize_t t = PyLong_AsSsize_t(PyList_GET_ITEM(out_lens, r)), a = 0, n;
+        Py_ssize_t t = as_ssize(PyList_GET_ITEM(out_lens, r)), a = 0, n;
         if (t == -1 && PyErr_Occurred()) goto fail;
         toks = PyObject_GetAttr(rec, s_tokens);
         lps = toks ? PyObject_GetAttr(rec, s_logprobs) : NULL;
@@ -186,7 +196,7 @@ fail:
 static int add_int(PyObject *obj, PyObject *name, Py_ssize_t delta) {
     PyObject *x = PyObject_GetAttr(obj, name);
     if (x == NULL) return -1;
-    Py_ssize_t v = PyLong_AsSsize_t(x);
+    Py_ssize_t v = as_ssize(x);
     Py_DECREF(x);
     if (v == -1 && PyErr_Occurred()) return -1;
     PyObject *y = PyLong_FromSsize_t(v + delta);
@@ -211,7 +221,7 @@ static int count_pass(PyObject *c, Py_ssize_t k, Py_ssize_t acc) {
     }
     for (Py_ssize_t i = 0; i < acc; i++) {
         PyObject *old = i < PyList_GET_SIZE(per_pos) ? PyList_GET_ITEM(per_pos, i) : NULL;
-        Py_ssize_t v = old == NULL ? 0 : PyLong_AsSsize_t(old);
+        Py_ssize_t v = old == NULL ? 0 : as_ssize(old);
         if (v == -1 && PyErr_Occurred()) { Py_DECREF(per_pos); return -1; }
         PyObject *y = PyLong_FromSsize_t(v + 1);
         if (y == NULL) { Py_DECREF(per_pos); return -1; }
@@ -251,10 +261,10 @@ static PyObject *settle_row(PyObject *row, Py_ssize_t k, PyObject *verdict, PyOb
     if (limit_o == NULL) goto done;
     if (as_list(&em) < 0 || as_list(&lps) < 0) goto done;  /* path and margins: any sequence (read only) */
     if (!PyList_Check(output) || !PyList_Check(pending)) {
-        PyErr_SetString(PyExc_TypeError, "settle_rows: a row's output and pending must be lists");
+        PyErr_SetString(PyExc_TypeError, "settle_rows: a row's output, pending, logprobs and margins must be lists");
         goto done;
     }
-    Py_ssize_t limit = PyLong_AsSsize_t(limit_o);
+    Py_ssize_t limit = as_ssize(limit_o);
     if (limit == -1 && PyErr_Occurred()) goto done;
     Py_ssize_t out_len = PyList_GET_SIZE(output), room = limit - out_len, len_em = PyList_GET_SIZE(em);
     Py_ssize_t len_path = PyObject_Size(path), len_mgs = PyObject_Size(mgs);
@@ -288,10 +298,20 @@ static PyObject *settle_row(PyObject *row, Py_ssize_t k, PyObject *verdict, PyOb
     if (out_len == 0 && PyObject_SetAttr(row, s_first_t, now) < 0) goto done;
     if (extend(output, em) < 0) goto done;
     row_lps = PyObject_GetAttr(row, s_logprobs);
-    if (row_lps == NULL || extend(row_lps, lps) < 0) goto done;
+    if (row_lps == NULL) goto done;
+    if (!PyList_Check(row_lps)) {
+        PyErr_SetString(PyExc_TypeError, "settle_rows: a row's output, pending, logprobs and margins must be lists");
+        goto done;
+    }
+    if (extend(row_lps, lps) < 0) goto done;
     if (len_mgs && PyObject_Size(mgs)) {
         PyObject *row_mgs = PyObject_GetAttr(row, s_margins);
         if (row_mgs == NULL) goto done;
+        if (!PyList_Check(row_mgs)) {
+            Py_DECREF(row_mgs);
+            PyErr_SetString(PyExc_TypeError, "settle_rows: a row's output, pending, logprobs and margins must be lists");
+            goto done;
+        }
         int rc = extend(row_mgs, mgs);
         Py_DECREF(row_mgs);
         if (rc < 0) goto done;
@@ -348,7 +368,7 @@ static PyObject *py_settle_rows(PyObject *self, PyObject *args) {
     PyObject *out = PyList_New(m);
     if (out == NULL) return NULL;
     for (Py_ssize_t i = 0; i < m; i++) {
-        Py_ssize_t k = PyLong_AsSsize_t(PyList_GET_ITEM(draft_lens, i));
+        Py_ssize_t k = as_ssize(PyList_GET_ITEM(draft_lens, i));
         if (k == -1 && PyErr_Occurred()) { Py_DECREF(out); return NULL; }
         PyObject *s = settle_row(PyList_GET_ITEM(rows, i), k, PyList_GET_ITEM(verdicts, i), stops, now);
         if (s == NULL) { Py_DECREF(out); return NULL; }
